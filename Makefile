@@ -1,0 +1,40 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EDGEQ := $(VENV)/bin/edgeq
+DEMO := runs/demo
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all check bench install clean
+
+$(STAMP): setup.py pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[train,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job on built-in data: FP32 + QAT on digits, int8-only TFLite, eval vs FP32.
+demo: $(STAMP)
+	$(EDGEQ) train digits-cnn --data digits --out $(DEMO)
+	$(EDGEQ) convert $(DEMO)/qat.h5 --int8-only --out $(DEMO)/digits_int8.tflite
+	$(EDGEQ) eval $(DEMO)/digits_int8.tflite --reference $(DEMO)/fp32.keras --data digits --json $(DEMO)/eval.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Everything, the slow tests (bigger models) included.
+test-all: $(STAMP)
+	EDGEQ_SLOW=1 $(PY) -m pytest -q
+
+check: $(STAMP)
+	$(VENV)/bin/ruff check edgeq tests tools
+	$(VENV)/bin/ruff format --check edgeq tests tools
+
+bench: $(STAMP)
+	$(PY) tools/bench.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,3 @@
+from edgeq.cli import main
+
+main()

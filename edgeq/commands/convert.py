@@ -1,0 +1,59 @@
+"""`edgeq convert`: Keras -> verified TFLite, one flag per mode of the mode table."""
+
+from __future__ import annotations
+
+import click
+
+from edgeq.commands._format import table
+
+# Mode flags are spelled here from the same names as edgeq.convert.MODES (a test checks
+# that the two agree), so that `edgeq convert --help` does not import TensorFlow.
+MODE_FLAGS = {
+    "fp32": "float32 TFLite, no quantization",
+    "fp16": "float16 weights, float compute",
+    "dynamic": "dynamic-range: int8 weights, float activations",
+    "int8": "full integer with float I/O (float fallback allowed)",
+    "int8-only": "integer-only: TFLITE_BUILTINS_INT8, int8 I/O, refuses float ops",
+    "int16x8": "16-bit activations, 8-bit weights",
+}
+
+
+def _mode_options(func):
+    for name, help_text in reversed(list(MODE_FLAGS.items())):
+        func = click.option(f"--{name}", "mode", flag_value=name, help=help_text)(func)
+    return func
+
+
+@click.command("convert")
+@click.argument("model", type=click.Path())
+@_mode_options
+@click.option("--out", type=click.Path(dir_okay=False), help="Output .tflite (default: MODEL_<mode>.tflite).")
+@click.option("--calib", help="Representative data for PTQ: digits | synthetic:... | npz:PATH | images:DIR.")
+@click.option("--calib-samples", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True,
+              help="Weight quantization granularity for PTQ.")
+@click.option("--io-type", type=click.Choice(["int8", "uint8"]), default="int8", show_default=True,
+              help="Input/output type with --int8-only (uint8 for Coral).")
+@click.option("--min-sqnr", type=float, help="Verification threshold in dB (default: per mode).")
+@click.option("--json", "json_out", is_flag=True, help="Print the result as JSON.")
+def convert(model, mode, out, calib, calib_samples, granularity, io_type, min_sqnr, json_out):
+    """Convert MODEL (.keras/.h5/SavedModel; a QAT model needs no calibration) to TFLite,
+    then load it in LiteRT and verify it against MODEL before writing it."""
+    import json
+    from dataclasses import asdict
+
+    from edgeq.convert import convert as run_convert
+
+    result = run_convert(model, out, mode or "int8-only", calib, calib_samples, granularity, io_type, min_sqnr)
+    if json_out:
+        click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
+        return
+    v = result.verification
+    click.echo(table(
+        ["model", "mode", "size", "input", "output", "integer-only", "agreement", "SQNR dB", "verified"],
+        [(result.path, result.mode, f"{result.size_bytes / 1024:.1f} KiB", result.input["dtype"],
+          result.output["dtype"], v.integer_only, f"{v.agreement:.2%}", f"{v.sqnr_db:.1f}", v.passed)],
+    ))
+    for note in result.notes:
+        click.echo(f"note: {note}")
+    click.echo(f"manifest: {result.manifest}")

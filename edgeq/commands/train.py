@@ -1,0 +1,71 @@
+"""`edgeq train`: FP32 training then quantization-aware fine-tuning."""
+
+from __future__ import annotations
+
+import click
+
+from edgeq.commands._format import table
+
+
+def _model_options(values: tuple[str, ...]) -> dict:
+    from edgeq.errors import UsageError
+
+    options = {}
+    for item in values:
+        if "=" not in item:
+            raise UsageError(f"--model-option {item!r}: write KEY=VALUE, e.g. alpha=0.5")
+        key, raw = item.split("=", 1)
+        for cast in (int, float):
+            try:
+                options[key] = cast(raw)
+                break
+            except ValueError:
+                continue
+        else:
+            options[key] = raw
+    return options
+
+
+@click.command("train")
+@click.argument("model")
+@click.option("--data", help="digits | synthetic:HxWxC:K[:N] | npz:PATH | images:DIR (default: the recipe's).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@click.option("--epochs", type=click.IntRange(min=0), help="FP32 epochs (default: the recipe's).")
+@click.option("--qat-epochs", type=click.IntRange(min=0), help="Quantization-aware epochs (default: the recipe's).")
+@click.option("--batch-size", type=click.IntRange(min=1))
+@click.option("--lr", "learning_rate", type=float, help="FP32 learning rate.")
+@click.option("--qat-lr", "qat_learning_rate", type=float, help="QAT learning rate.")
+@click.option("--weight-bits", type=click.IntRange(2, 8), default=8, show_default=True)
+@click.option("--activation-bits", type=click.Choice(["8", "16"]), default="8", show_default=True)
+@click.option("--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True)
+@click.option("--activations", type=click.Choice(["asymmetric", "symmetric"]), default="asymmetric", show_default=True)
+@click.option("--clip-norm", type=click.FloatRange(min=0, min_open=True), help="Clip each gradient's norm during QAT.")
+@click.option("--clip-value", type=click.FloatRange(min=0, min_open=True), help="Clip gradient values during QAT.")
+@click.option("--schedule", default="default", show_default=True, help="default | stepped | a JSON/TOML stage file.")
+@click.option("--layer-config", type=click.Path(), help="Layer-wise bits / keep-float (JSON or TOML, names or re:REGEX).")
+@click.option("-o", "--model-option", "model_options", multiple=True, help="Reference-model option KEY=VALUE (e.g. alpha=0.5).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--resume", is_flag=True, help="Continue the unfinished run in --out (its saved options are used).")
+@click.option("--force", is_flag=True, help="Overwrite a run already in --out.")
+def train(model, out_dir, resume, force, model_options, activation_bits, **options):
+    """Train MODEL (a reference name such as digits-cnn, or a .keras/.h5/SavedModel path):
+    FP32 first, then quantization-aware fine-tuning with TF-MOT.
+    A checkpoint is written every epoch; Ctrl-C loses at most one epoch (--resume)."""
+    from edgeq.train.fit import TrainConfig
+    from edgeq.train.fit import train as run_training
+
+    config = TrainConfig(
+        model=model, out_dir=out_dir, activation_bits=int(activation_bits),
+        model_options=_model_options(model_options), **options,
+    )
+    result = run_training(config, resume=resume, force=force, progress=True)
+    rows = [
+        (s.name, s.kind, s.epochs, f"w{s.weight_bits}a{s.activation_bits}" if s.kind == "qat" else "fp32",
+         f"{s.val_accuracy:.2%}", f"{s.test_accuracy:.2%}", f"{s.seconds:.1f}")
+        for s in result.stages
+    ]
+    click.echo(table(["stage", "kind", "epochs", "precision", "val acc", "test acc", "seconds"], rows))
+    click.echo(f"FP32 model: {result.fp32_model}")
+    if result.qat_model:
+        click.echo(f"QAT model:  {result.qat_model}  (next: edgeq convert {result.qat_model} --int8-only)")
+    click.echo(f"history: {result.history}   run record: {result.run}")

@@ -1,0 +1,333 @@
+"""Keras -> TFLite through one table of conversion modes, verified before it is written.
+
+Every conversion is loaded back into LiteRT, checked against what its mode promises
+(I/O dtypes, integer-only graph) and compared with the source model on real samples.
+Only then are the model and its manifest moved into place; a failure leaves no file.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq.artifacts import provenance, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
+from edgeq.data import DEFAULT_CALIBRATION_SAMPLES, Dataset, Normalization, load_dataset
+from edgeq.errors import ConversionError, DataError, IntegerOnlyError, UsageError
+from edgeq.evaluate import compare_outputs
+from edgeq.runtime.interpreter import TFLiteModel
+
+log = logging.getLogger(__name__)
+
+
+class Mode(str, Enum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    DYNAMIC = "dynamic"
+    INT8 = "int8"
+    INT8_ONLY = "int8-only"
+    INT16X8 = "int16x8"
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    mode: Mode
+    help: str
+    suffix: str  # default file name: <model stem>_<suffix>.tflite
+    calibrate: bool  # needs a representative dataset
+    integer_only: bool  # refuse any float op or tensor on the inference path
+    integer_io: bool  # int8 (or uint8) input and output tensors
+    min_sqnr_db: float  # verification: output SQNR vs the source model must reach this
+
+
+# The one table: CLI flags, validation, file names and verification all read it.
+MODES: dict[Mode, ModeSpec] = {
+    Mode.FP32: ModeSpec(Mode.FP32, "float32 TFLite, no quantization", "fp32", False, False, False, 40.0),
+    Mode.FP16: ModeSpec(Mode.FP16, "float16 weights, float compute", "fp16", False, False, False, 30.0),
+    Mode.DYNAMIC: ModeSpec(Mode.DYNAMIC, "dynamic-range: int8 weights, float activations", "dynamic", False, False, False, 10.0),
+    Mode.INT8: ModeSpec(Mode.INT8, "full integer with float I/O (float fallback allowed)", "int8", True, False, False, 10.0),
+    Mode.INT8_ONLY: ModeSpec(Mode.INT8_ONLY, "integer-only: TFLITE_BUILTINS_INT8, int8 I/O, refuses float ops", "int8_only", True, True, True, 10.0),
+    Mode.INT16X8: ModeSpec(Mode.INT16X8, "16-bit activations, 8-bit weights", "int16x8", True, False, False, 15.0),
+}
+
+FLOAT_DTYPES = {"float32", "float16", "float64"}
+
+
+@dataclass(frozen=True)
+class Verification:
+    samples: int
+    data: str  # where the samples came from
+    agreement: float  # top-1 agreement with the source model
+    max_abs_error: float
+    mean_abs_error: float
+    sqnr_db: float
+    min_sqnr_db: float
+    float_ops: tuple[str, ...]
+    integer_only: bool
+    passed: bool
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    path: Path
+    manifest: Path
+    mode: str
+    size_bytes: int
+    seconds: float
+    sha256: str
+    input: dict
+    output: dict
+    ops: dict[str, int]
+    verification: Verification
+    source_is_qat: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def manifest_path(model_path: str | Path) -> Path:
+    model_path = Path(model_path)
+    return model_path.with_name(model_path.stem + ".manifest.json")
+
+
+def default_output(source: str | Path, mode: Mode) -> Path:
+    source = Path(source)
+    return source.with_name(f"{source.stem if source.is_file() else source.name}_{MODES[mode].suffix}.tflite")
+
+
+def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_qat: bool, notes: list):
+    """Calibration samples: --calib, else the data the model was trained on (run.json)."""
+    from edgeq.train.fit import run_record_for
+
+    record = run_record_for(source_path) if source_path else None
+    spec = calib
+    if spec is None and record is not None:
+        spec = record.get("data", {}).get("source")
+    if spec is None:
+        return None, None
+    if not calib:
+        notes.append(f"calibration/verification data taken from the training run: {spec}")
+    dataset = load_dataset(spec, input_shape=tuple(model_input_shape), labels_required=False)
+    dataset.check_fits(tuple(model_input_shape), where=f"model {source_path}")
+    return dataset, spec
+
+
+def _converter(model, spec: ModeSpec, dataset: Dataset | None, samples: int, granularity: str, io_type: str, is_qat):
+    from edgeq.compat import tf
+
+    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    mode = spec.mode
+    if mode == Mode.FP32:
+        return converter
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    if mode == Mode.FP16:
+        converter.target_spec.supported_types = [tf.float16]
+        return converter
+    if mode == Mode.DYNAMIC:
+        return converter
+    if dataset is not None:
+        # A QAT model takes its ranges from the fake-quant ops; TF 2.21 still insists on a
+        # representative dataset for full-integer modes, so one is always given.
+        converter.representative_dataset = dataset.representative_dataset(samples)
+    if granularity == "per-tensor":
+        if is_qat:
+            raise UsageError("--granularity applies to post-training quantization; a QAT model keeps its training granularity (edgeq train --granularity)")
+        converter._experimental_disable_per_channel = True  # noqa: SLF001 - the only switch TFLite offers
+    if mode == Mode.INT8_ONLY:
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+        io = {"int8": tf.int8, "uint8": tf.uint8}[io_type]
+        converter.inference_input_type = io
+        converter.inference_output_type = io
+    elif mode == Mode.INT16X8:
+        converter.target_spec.supported_ops = [
+            tf.lite.OpsSet.EXPERIMENTAL_TFLITE_BUILTINS_ACTIVATIONS_INT16_WEIGHTS_INT8
+        ]
+    return converter
+
+
+_TF_OP = re.compile(r"'(tf\.[A-Za-z0-9_]+)' op")
+
+
+def _converter_error(exc: Exception, spec: ModeSpec, source: str) -> ConversionError:
+    text = str(exc)
+    ops = sorted(set(_TF_OP.findall(text)))
+    if ops:
+        cls = IntegerOnlyError if spec.integer_only else ConversionError
+        return cls(
+            f"{source}: TFLite has no {'integer ' if spec.integer_only else ''}kernel for {', '.join(ops)}: "
+            "replace those ops in the model, or convert with --int8 to let them run in float"
+        )
+    first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
+    return ConversionError(f"{source}: the TFLite converter failed in mode {spec.mode.value}: {first[:300]}")
+
+
+def float_ops(model: TFLiteModel) -> list[str]:
+    """Ops that read or write float tensors: what keeps a graph from being integer-only."""
+    found = []
+    for op in model.ops():
+        dtypes = set(op.input_dtypes) | set(op.output_dtypes)
+        if dtypes & FLOAT_DTYPES:
+            found.append(f"{op.op_name}#{op.index}")
+    return found
+
+
+def _load_source(model_or_path):
+    from edgeq.train.fit import load_user_model
+
+    if isinstance(model_or_path, (str, Path)):
+        return load_user_model(model_or_path), Path(model_or_path)
+    return model_or_path, None
+
+
+def convert(
+    model: Any,
+    out: str | Path | None = None,
+    mode: Mode | str = Mode.INT8_ONLY,
+    calib: str | None = None,
+    calib_samples: int = DEFAULT_CALIBRATION_SAMPLES,
+    granularity: str = "per-channel",
+    io_type: str = "int8",
+    min_sqnr_db: float | None = None,
+) -> ConversionResult:
+    """Convert a Keras model (object or .keras/.h5/SavedModel path) and verify the result.
+
+    Returns the written model's description; raises ConversionError (IntegerOnlyError
+    for float ops in an integer-only model) and leaves nothing on disk when it fails.
+    """
+    from edgeq.train.schemes import is_qat_model
+
+    try:
+        spec = MODES[Mode(mode)]
+    except ValueError as exc:
+        raise UsageError(f"unknown mode {mode!r}; choose one of: {', '.join(m.value for m in Mode)}") from exc
+    if io_type not in ("int8", "uint8"):
+        raise UsageError(f"--io-type must be int8 or uint8, got {io_type!r}")
+    if io_type == "uint8" and not spec.integer_io:
+        raise UsageError("--io-type uint8 applies to --int8-only")
+    if granularity not in ("per-channel", "per-tensor"):
+        raise UsageError(f"--granularity must be per-channel or per-tensor, got {granularity!r}")
+    keras_model, source_path = _load_source(model)
+    source_name = str(source_path) if source_path else keras_model.name
+    is_qat = is_qat_model(keras_model)
+    input_shape = tuple(keras_model.input_shape[1:])
+    if any(d is None for d in input_shape):
+        raise ConversionError(f"{source_name}: input shape {input_shape} is not static: give the Input a fixed shape")
+    out = Path(out) if out else default_output(source_path or Path(f"{keras_model.name}.keras"), spec.mode)
+    if out.suffix != ".tflite":
+        raise UsageError(f"{out}: the output must end in .tflite")
+
+    notes: list[str] = []
+    dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
+    if spec.calibrate and dataset is None:
+        if is_qat:
+            raise UsageError(f"{source_name}: no data to verify the conversion: give --calib SRC (any samples of the input)")
+        raise UsageError(
+            f"{source_name}: {spec.mode.value} post-training quantization needs a representative dataset: "
+            "--calib SRC (e.g. --calib digits or --calib npz:calib.npz)"
+        )
+    if dataset is not None and len(dataset.x_train) == 0:
+        raise DataError(f"calibration data {data_spec!r} is empty")
+
+    started = time.perf_counter()
+    converter = _converter(keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat)
+    try:
+        flatbuffer = converter.convert()
+    except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
+        raise _converter_error(exc, spec, source_name) from exc
+    seconds = time.perf_counter() - started
+
+    tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
+    verification = _verify(tflite, keras_model, spec, dataset, data_spec, calib_samples, io_type, source_name, min_sqnr_db)
+    op_counts = dict(Counter(op.op_name for op in tflite.ops()))
+
+    normalization = dataset.normalization if dataset is not None else Normalization()
+    manifest = {
+        "kind": "edgeq.convert",
+        "model": out.name,
+        "mode": spec.mode.value,
+        "mode_help": spec.help,
+        "sha256": sha256_bytes(flatbuffer),
+        "size_bytes": len(flatbuffer),
+        "input": asdict(tflite.input),
+        "output": asdict(tflite.output),
+        "normalization": normalization.to_dict(),
+        "num_classes": int(tflite.output.shape[-1]) if tflite.output.shape else None,
+        "source": {
+            "path": str(source_path) if source_path else None,
+            "sha256": sha256_file(source_path) if source_path else None,
+            "qat": is_qat,
+        },
+        "options": {"granularity": granularity, "io_type": io_type if spec.integer_io else "float32",
+                    "calib": data_spec, "calib_samples": calib_samples if spec.calibrate else 0},
+        "calibration_data_sha256": dataset.fingerprint() if dataset is not None else None,
+        "ops": op_counts,
+        "verification": asdict(verification),
+        "convert_seconds": round(seconds, 3),
+        "notes": notes,
+        "provenance": provenance(),
+    }
+    # The model is moved into place only now that it passed; the manifest follows it.
+    write_bytes_atomic(out, flatbuffer)
+    write_json_atomic(manifest_path(out), manifest)
+    return ConversionResult(
+        path=out,
+        manifest=manifest_path(out),
+        mode=spec.mode.value,
+        size_bytes=len(flatbuffer),
+        seconds=round(seconds, 3),
+        sha256=manifest["sha256"],
+        input=manifest["input"],
+        output=manifest["output"],
+        ops=op_counts,
+        verification=verification,
+        source_is_qat=is_qat,
+        notes=tuple(notes),
+    )
+
+
+def _verify(tflite, keras_model, spec, dataset, data_spec, samples, io_type, source_name, min_sqnr_db) -> Verification:
+    expected_io = io_type if spec.integer_io else "float32"
+    for kind, tensor in (("input", tflite.input), ("output", tflite.output)):
+        if tensor.dtype != expected_io:
+            raise ConversionError(
+                f"{source_name}: mode {spec.mode.value} promised {expected_io} {kind} but the converter wrote {tensor.dtype}"
+            )
+    floats = float_ops(tflite)
+    if spec.integer_only and floats:
+        raise IntegerOnlyError(
+            f"{source_name}: not integer-only: {len(floats)} op(s) still run in float: {', '.join(floats[:12])}"
+            f"{' ...' if len(floats) > 12 else ''}; replace those ops or convert with --int8 (float fallback)"
+        )
+    if dataset is not None:
+        x = dataset.calibration_samples(min(samples, 200) if samples else 200, seed=1)
+        source = "calibration samples of " + str(data_spec)
+    else:
+        rng = np.random.default_rng(0)
+        x = rng.uniform(0.0, 1.0, size=(32,) + tuple(tflite.input.shape[1:])).astype(np.float32)
+        source = "random uniform [0, 1) inputs (no data given)"
+    reference = keras_model.predict(x, batch_size=64, verbose=0)
+    got = tflite.predict(x, batch_size=1)
+    if got.shape != reference.shape:
+        raise ConversionError(f"{source_name}: TFLite output shape {got.shape} differs from Keras {reference.shape}")
+    if not np.all(np.isfinite(got)):
+        raise ConversionError(f"{source_name}: the converted model produces NaN/inf outputs")
+    cmp = compare_outputs(reference, got)
+    threshold = spec.min_sqnr_db if min_sqnr_db is None else float(min_sqnr_db)
+    passed = cmp.sqnr_db >= threshold
+    verification = Verification(
+        samples=len(x), data=source, agreement=cmp.agreement, max_abs_error=cmp.max_abs_error,
+        mean_abs_error=cmp.mae, sqnr_db=cmp.sqnr_db, min_sqnr_db=threshold, float_ops=tuple(floats),
+        integer_only=not floats, passed=passed,
+    )
+    if not passed:
+        raise ConversionError(
+            f"{source_name}: verification failed: output SQNR {cmp.sqnr_db:.1f} dB vs the Keras model is below "
+            f"{threshold:.1f} dB (top-1 agreement {cmp.agreement:.1%}); try QAT (edgeq train), per-channel, or "
+            "--min-sqnr to accept it"
+        )
+    return verification

@@ -1,0 +1,295 @@
+"""Named datasets with fixed splits and representative-dataset generators.
+
+A source is a string: ``digits``, ``synthetic:HxWxC:K[:N]``, ``npz:PATH`` (or a path
+ending in .npz) and ``images:DIR``. Every source yields float32 inputs already
+normalised for the model, and records that normalisation (``raw * scale + offset``) so
+that eval and profile feed the quantized model exactly what training saw.
+Host side only needs numpy; scikit-learn and Pillow are imported only by the sources
+that use them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgeq.errors import DataError
+
+SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train, val, test
+DEFAULT_CALIBRATION_SAMPLES = 200
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """model_input = raw * scale + offset."""
+
+    scale: float = 1.0
+    offset: float = 0.0
+
+    def apply(self, raw: np.ndarray) -> np.ndarray:
+        return (np.asarray(raw, dtype=np.float32) * np.float32(self.scale) + np.float32(self.offset)).astype(
+            np.float32
+        )
+
+    def to_dict(self) -> dict:
+        return {"scale": self.scale, "offset": self.offset}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    source: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    normalization: Normalization = field(default_factory=Normalization)
+    class_names: tuple[str, ...] = ()
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+    def split(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        if name not in ("train", "val", "test"):
+            raise DataError(f"unknown split {name!r}; choose train, val or test")
+        return getattr(self, f"x_{name}"), getattr(self, f"y_{name}")
+
+    def calibration_samples(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> np.ndarray:
+        """N samples for calibration, drawn from train (never from test)."""
+        if n <= 0:
+            raise DataError(f"--calib-samples must be positive, got {n}")
+        rng = np.random.default_rng(seed)
+        idx = rng.choice(len(self.x_train), size=min(n, len(self.x_train)), replace=False)
+        return self.x_train[np.sort(idx)]
+
+    def representative_dataset(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> Callable[[], Iterator]:
+        """A TFLiteConverter.representative_dataset: one sample per step, from train."""
+        samples = self.calibration_samples(n, seed)
+
+        def generator():
+            for i in range(len(samples)):
+                yield [samples[i : i + 1]]
+
+        return generator
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(self.source.encode())
+        for arr in (self.x_train, self.y_train, self.x_val, self.y_val, self.x_test, self.y_test):
+            digest.update(np.ascontiguousarray(arr).tobytes())
+        return digest.hexdigest()
+
+    def describe(self) -> dict:
+        return {
+            "source": self.source,
+            "input_shape": list(self.input_shape),
+            "num_classes": self.num_classes,
+            "train": len(self.x_train),
+            "val": len(self.x_val),
+            "test": len(self.x_test),
+            "normalization": self.normalization.to_dict(),
+            "sha256": self.fingerprint(),
+        }
+
+    def check_fits(self, model_input_shape: tuple, where: str = "the model") -> None:
+        """Raise DataError unless samples fit the model input (batch dim excluded)."""
+        expected = tuple(model_input_shape)
+        if len(expected) != len(self.input_shape) or any(
+            e is not None and int(e) != int(g) for e, g in zip(expected, self.input_shape)
+        ):
+            raise DataError(
+                f"data {self.source!r} has samples of shape {self.input_shape} but {where} expects "
+                f"{tuple(expected)}: use data of that shape (e.g. synthetic:{_shape_str(expected)}:K)"
+            )
+
+
+def _shape_str(shape: tuple) -> str:
+    return "x".join(str(d if d is not None else 32) for d in shape)
+
+
+def stratified_split(x: np.ndarray, y: np.ndarray, seed: int = 0):
+    """Fixed stratified train/val/test split (70/10/20)."""
+    rng = np.random.default_rng(seed)
+    parts: list[list[int]] = [[], [], []]
+    for cls in np.unique(y):
+        idx = np.flatnonzero(y == cls)
+        rng.shuffle(idx)
+        n_test = max(1, int(round(len(idx) * SPLIT_FRACTIONS[2]))) if len(idx) >= 3 else 0
+        n_val = max(1, int(round(len(idx) * SPLIT_FRACTIONS[1]))) if len(idx) >= 3 else 0
+        parts[2].extend(idx[:n_test])
+        parts[1].extend(idx[n_test : n_test + n_val])
+        parts[0].extend(idx[n_test + n_val :])
+    out = []
+    for p in parts:
+        p = np.sort(np.asarray(p, dtype=np.int64))
+        out.extend([x[p], y[p]])
+    return tuple(out)
+
+
+def _make(source, x, y, normalization, num_classes=None, class_names=(), seed=0) -> Dataset:
+    if len(x) == 0:
+        raise DataError(f"data {source!r} is empty: it has no samples")
+    if len(x) != len(y):
+        raise DataError(f"data {source!r}: {len(x)} inputs but {len(y)} labels")
+    y = np.asarray(y).astype(np.int64).reshape(-1)
+    if np.any(y < 0):
+        raise DataError(f"data {source!r}: labels must be class indices >= 0")
+    x_train, y_train, x_val, y_val, x_test, y_test = stratified_split(normalization.apply(x), y, seed)
+    if len(x_train) == 0 or len(x_test) == 0:
+        raise DataError(f"data {source!r} has too few samples per class to split into train and test")
+    k = int(num_classes if num_classes is not None else y.max() + 1)
+    return Dataset(source, x_train, y_train, x_val, y_val, x_test, y_test, k, normalization, tuple(class_names))
+
+
+def load_digits_dataset() -> Dataset:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise DataError('the digits dataset needs scikit-learn: pip install "edgeq[train]"') from exc
+    bunch = load_digits()
+    x = bunch.images.astype(np.float32)[..., None]  # (1797, 8, 8, 1), values 0..16
+    return _make("digits", x, bunch.target, Normalization(scale=1.0 / 16.0), num_classes=10)
+
+
+_SYNTH = re.compile(r"^synthetic:(\d+)x(\d+)x(\d+):(\d+)(?::(\d+))?$")
+
+
+def load_synthetic(spec: str) -> Dataset:
+    """Deterministic images with learnable structure: one smooth template per class.
+
+    Each sample is its class template, shifted by up to a pixel, mixed with noise.
+    """
+    m = _SYNTH.match(spec)
+    if not m:
+        raise DataError(f"bad synthetic source {spec!r}: write synthetic:HxWxC:K[:N], e.g. synthetic:32x32x3:10")
+    h, w, c, k = (int(v) for v in m.groups()[:4])
+    n = int(m.group(5)) if m.group(5) else max(60 * k, 600)
+    if min(h, w, c) < 1 or k < 2 or n < 3 * k:
+        raise DataError(f"bad synthetic source {spec!r}: need H,W,C >= 1, K >= 2 and N >= 3*K")
+    seed = int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little")
+    rng = np.random.default_rng(seed)
+    coarse = rng.uniform(0.0, 1.0, size=(k, max(2, h // 4), max(2, w // 4), c)).astype(np.float32)
+    templates = np.stack([_resize_nearest(t, h, w) for t in coarse])
+    y = np.arange(n) % k
+    rng.shuffle(y)
+    mix = rng.uniform(0.55, 0.85, size=(n, 1, 1, 1)).astype(np.float32)
+    noise = rng.uniform(0.0, 1.0, size=(n, h, w, c)).astype(np.float32)
+    x = mix * templates[y] + (1.0 - mix) * noise
+    shifts = rng.integers(-1, 2, size=(n, 2))
+    for i in range(n):
+        x[i] = np.roll(x[i], tuple(shifts[i]), axis=(0, 1))
+    return _make(spec, x, y, Normalization(), num_classes=k)
+
+
+def _resize_nearest(img: np.ndarray, h: int, w: int) -> np.ndarray:
+    rows = (np.arange(h) * img.shape[0] // h).clip(0, img.shape[0] - 1)
+    cols = (np.arange(w) * img.shape[1] // w).clip(0, img.shape[1] - 1)
+    return img[rows][:, cols]
+
+
+def load_npz(path: str | Path, labels_required: bool = True) -> Dataset:
+    path = Path(path)
+    source = f"npz:{path}"
+    if not path.is_file():
+        raise DataError(f"{path}: no such .npz file")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except Exception as exc:  # numpy raises several types for a bad file
+        raise DataError(f"{path}: not a readable .npz file ({type(exc).__name__}); save it with np.savez(x=..., y=...)")
+    if "x" not in arrays:
+        raise DataError(f"{path}: no array named 'x' (found: {', '.join(arrays) or 'none'}); save with np.savez(x=..., y=...)")
+    x = arrays["x"]
+    if x.ndim < 2:
+        raise DataError(f"{path}: 'x' must be (N, ...) samples, got shape {x.shape}")
+    if "y" not in arrays:
+        if labels_required:
+            raise DataError(f"{path}: no labels: save them as array 'y' (class indices)")
+        y = np.zeros(len(x), dtype=np.int64)
+    else:
+        y = arrays["y"]
+        if not np.issubdtype(y.dtype, np.integer):
+            if np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0):
+                y = y.astype(np.int64)
+            else:
+                raise DataError(f"{path}: 'y' must hold integer class indices, got dtype {y.dtype}")
+    if x.dtype == np.uint8:
+        normalization = Normalization(scale=1.0 / 255.0)
+    elif np.issubdtype(x.dtype, np.number):
+        normalization = Normalization()
+    else:
+        raise DataError(f"{path}: 'x' must be numeric, got dtype {x.dtype}")
+    if x.ndim == 3:  # (N, H, W) grey images: add the channel axis
+        x = x[..., None]
+    return _make(source, x, y, normalization)
+
+
+def load_images(directory: str | Path, image_size: tuple[int, int] | None, channels: int = 3) -> Dataset:
+    directory = Path(directory)
+    source = f"images:{directory}"
+    if not directory.is_dir():
+        raise DataError(f"{directory}: no such folder (images:DIR wants one sub-folder per class)")
+    classes = sorted(p.name for p in directory.iterdir() if p.is_dir())
+    if not classes:
+        raise DataError(f"{directory}: no class sub-folders; put each class's images in DIR/<class>/")
+    if image_size is None:
+        raise DataError(f"{source}: the image size is unknown: give a model whose input fixes it")
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise DataError('images:DIR needs Pillow: pip install "edgeq[train]"') from exc
+    xs, ys = [], []
+    mode = "L" if channels == 1 else "RGB"
+    for label, cls in enumerate(classes):
+        for file in sorted((directory / cls).iterdir()):
+            if file.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            try:
+                with Image.open(file) as img:
+                    arr = np.asarray(img.convert(mode).resize((image_size[1], image_size[0])), dtype=np.uint8)
+            except OSError as exc:
+                raise DataError(f"{file}: not a readable image ({exc}); remove it or replace it") from exc
+            xs.append(arr.reshape(image_size[0], image_size[1], channels))
+            ys.append(label)
+    if not xs:
+        raise DataError(f"{directory}: the class folders hold no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return _make(source, np.stack(xs), np.asarray(ys), Normalization(scale=1.0 / 255.0), len(classes), classes)
+
+
+def load_dataset(source: str, input_shape: tuple | None = None, labels_required: bool = True) -> Dataset:
+    """Resolve a source string to a Dataset. ``input_shape`` (H, W, C) sizes image folders."""
+    source = str(source).strip()
+    if not source:
+        raise DataError("no data source given: use digits, synthetic:HxWxC:K, npz:PATH or images:DIR")
+    if source == "digits":
+        return load_digits_dataset()
+    if source.startswith("synthetic:"):
+        return load_synthetic(source)
+    if source.startswith("npz:"):
+        return load_npz(source[4:], labels_required)
+    if source.endswith(".npz"):
+        return load_npz(source, labels_required)
+    if source.startswith("images:"):
+        size = tuple(input_shape[:2]) if input_shape else None
+        channels = int(input_shape[2]) if input_shape and len(input_shape) > 2 else 3
+        return load_images(source[7:], size, channels)
+    raise DataError(f"unknown data source {source!r}: use digits, synthetic:HxWxC:K, npz:PATH or images:DIR")
+
+
+def export_split(dataset: Dataset, split: str, path: str | Path) -> Path:
+    """Write one split as .npz (x: normalised float32, y) for `edgeq profile --data`."""
+    from edgeq.artifacts import atomic_path
+
+    x, y = dataset.split(split)
+    path = Path(path)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        np.savez(fh, x=x, y=y)
+    return path

@@ -1,0 +1,61 @@
+"""Errors a user can act on: what went wrong, where, and what to do about it.
+
+The CLI prints ``error: <message>`` on one line and exits with ``exit_code``; a
+traceback is shown only with ``--debug``. Library code raises these, never prints.
+"""
+
+from __future__ import annotations
+
+
+class EdgeqError(Exception):
+    """Base of every error edgeq reports to the user."""
+
+    exit_code = 1
+
+
+class UsageError(EdgeqError):
+    """An option or combination of options that cannot work."""
+
+    exit_code = 2
+
+
+class MissingExtraError(EdgeqError):
+    """A host-only feature was used on an install without the extra it needs."""
+
+    exit_code = 3
+
+
+class ModelLoadError(EdgeqError):
+    """A model file is missing, unreadable or not a model."""
+
+
+class DataError(EdgeqError):
+    """A dataset is missing, empty, or does not fit the model."""
+
+
+class UnsupportedLayerError(EdgeqError):
+    """TF-MOT cannot quantize a layer of the model."""
+
+
+class ConversionError(EdgeqError):
+    """The TFLite converter failed, or what it wrote did not pass verification."""
+
+
+class IntegerOnlyError(ConversionError):
+    """An integer-only model was asked for, but some ops or tensors stay float."""
+
+
+class QualityGateError(EdgeqError):
+    """A measured quality figure (e.g. accuracy drop) is outside the allowed budget."""
+
+    exit_code = 4
+
+
+class RuntimeBackendError(EdgeqError):
+    """No usable TFLite interpreter, or a delegate that cannot be loaded."""
+
+
+class TrainingInterrupted(EdgeqError):
+    """Training stopped (Ctrl-C); completed epochs are in the checkpoint."""
+
+    exit_code = 130

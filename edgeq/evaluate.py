@@ -1,0 +1,147 @@
+"""Quantized vs FP32: accuracy, drop, agreement and output error.
+
+``compare_outputs`` is numpy only (the device side uses it too); ``evaluate`` loads the
+models, and needs TensorFlow only when the reference is a Keras model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgeq.errors import ModelLoadError, QualityGateError
+
+
+@dataclass(frozen=True)
+class OutputComparison:
+    samples: int
+    agreement: float  # top-1 agreement
+    mae: float
+    mse: float
+    max_abs_error: float
+    sqnr_db: float  # 10 log10(sum ref^2 / sum (ref - q)^2); inf when identical
+    cosine: float  # mean cosine similarity per sample
+
+
+def compare_outputs(reference: np.ndarray, quantized: np.ndarray) -> OutputComparison:
+    ref = np.asarray(reference, dtype=np.float64).reshape(len(reference), -1)
+    q = np.asarray(quantized, dtype=np.float64).reshape(len(quantized), -1)
+    if ref.shape != q.shape:
+        raise ValueError(f"output shapes differ: {ref.shape} vs {q.shape}")
+    if len(ref) == 0:
+        raise ValueError("no samples to compare")
+    err = ref - q
+    noise = float(np.sum(err**2))
+    signal = float(np.sum(ref**2))
+    sqnr = math.inf if noise == 0 else (10.0 * math.log10(signal / noise) if signal > 0 else -math.inf)
+    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(q, axis=1)
+    cos = np.where(norms > 0, np.sum(ref * q, axis=1) / np.where(norms > 0, norms, 1), 1.0)
+    return OutputComparison(
+        samples=len(ref),
+        agreement=float(np.mean(ref.argmax(1) == q.argmax(1))),
+        mae=float(np.mean(np.abs(err))),
+        mse=float(np.mean(err**2)),
+        max_abs_error=float(np.max(np.abs(err))),
+        sqnr_db=float(sqnr),
+        cosine=float(np.mean(cos)),
+    )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    model: str
+    reference: str
+    data: str
+    samples: int
+    accuracy: float
+    reference_accuracy: float
+    drop_pp: float  # reference accuracy - model accuracy, in percentage points
+    agreement: float
+    mae: float
+    mse: float
+    max_abs_error: float
+    sqnr_db: float
+    cosine: float
+    size_bytes: int
+    reference_size_bytes: int  # the FP32 TFLite size (converted in memory for a Keras reference)
+    size_ratio: float
+    model_dtype: str
+    max_drop_pp: float | None = None
+    passed: bool = True
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, float) and math.isinf(v):
+                d[k] = "inf" if v > 0 else "-inf"
+        return d
+
+
+def _reference_predictions(reference: Path, x: np.ndarray) -> tuple[np.ndarray, int]:
+    """Predictions of the reference and the size of its FP32 TFLite form."""
+    if reference.suffix == ".tflite":
+        ref = TFLiteModel_(reference)
+        return ref.predict(x, batch_size=1), reference.stat().st_size
+    from edgeq.compat import tf
+    from edgeq.train.fit import load_user_model
+
+    model = load_user_model(reference)
+    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    fp32_size = len(converter.convert())
+    return model.predict(x, batch_size=256, verbose=0), fp32_size
+
+
+def TFLiteModel_(path):  # noqa: N802 - imported lazily: keeps this module light
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    return TFLiteModel(path)
+
+
+def evaluate(
+    model: str | Path,
+    reference: str | Path,
+    data: str,
+    split: str = "test",
+    max_drop_pp: float | None = None,
+) -> EvalResult:
+    """Accuracy of both models on a data split, and how far their outputs differ."""
+    from edgeq.data import load_dataset
+
+    model, reference = Path(model), Path(reference)
+    for path in (model, reference):
+        if not path.exists():
+            raise ModelLoadError(f"{path}: no such model file")
+    if model.suffix != ".tflite":
+        raise ModelLoadError(f"{model}: edgeq eval compares a .tflite model; convert it first (edgeq convert)")
+    quantized = TFLiteModel_(model)
+    input_shape = tuple(quantized.input.shape[1:])
+    dataset = load_dataset(data, input_shape=input_shape)
+    dataset.check_fits(input_shape, where=f"model {model}")
+    x, y = dataset.split(split)
+    got = quantized.predict(x, batch_size=1)
+    ref, ref_size = _reference_predictions(reference, x)
+    cmp = compare_outputs(ref, got)
+    acc = float(np.mean(got.argmax(-1) == y))
+    ref_acc = float(np.mean(ref.argmax(-1) == y))
+    drop = round((ref_acc - acc) * 100.0, 4)
+    size = model.stat().st_size
+    result = EvalResult(
+        model=str(model), reference=str(reference), data=f"{data} ({split})", samples=len(x),
+        accuracy=acc, reference_accuracy=ref_acc, drop_pp=drop, agreement=cmp.agreement, mae=cmp.mae, mse=cmp.mse,
+        max_abs_error=cmp.max_abs_error, sqnr_db=cmp.sqnr_db, cosine=cmp.cosine, size_bytes=size,
+        reference_size_bytes=ref_size, size_ratio=size / ref_size if ref_size else float("nan"),
+        model_dtype=quantized.input.dtype, max_drop_pp=max_drop_pp,
+        passed=max_drop_pp is None or drop <= max_drop_pp,
+    )
+    return result
+
+
+def check_gate(result: EvalResult) -> None:
+    if not result.passed:
+        raise QualityGateError(
+            f"{result.model}: accuracy drop {result.drop_pp:.2f} pp exceeds --max-drop {result.max_drop_pp:g} pp "
+            f"({result.reference_accuracy:.2%} -> {result.accuracy:.2%})"
+        )

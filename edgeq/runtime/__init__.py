@@ -1,0 +1,1 @@
+"""Device side of edgeq: everything here runs without TensorFlow."""

@@ -1,0 +1,310 @@
+"""One table of TFLite interpreter backends and one loader over them.
+
+The loader hides int8/uint8 I/O: ``predict`` takes and returns float arrays and
+quantizes inputs / dequantizes outputs with the model's own parameters.
+Never imports TensorFlow unless the ``tensorflow`` backend is asked for or is the
+only one left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq.errors import ModelLoadError, RuntimeBackendError
+from edgeq.runtime.flatbuffer import EDGETPU_CUSTOM_OP, ModelDesc, verify_tflite
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    module: str  # module that holds Interpreter and load_delegate
+    distribution: str  # pip distribution, for the version and the install hint
+
+
+# In order of preference; the first importable one is used unless one is forced.
+BACKENDS: tuple[Backend, ...] = (
+    Backend("ai_edge_litert", "ai_edge_litert.interpreter", "ai-edge-litert"),
+    Backend("tflite_runtime", "tflite_runtime.interpreter", "tflite-runtime"),
+    Backend("tensorflow", "tensorflow.lite.python.interpreter", "tensorflow"),
+)
+
+
+def backend_names() -> list[str]:
+    return [b.name for b in BACKENDS]
+
+
+def _import_backend(backend: Backend):
+    try:
+        return importlib.import_module(backend.module)
+    except ImportError as exc:
+        raise RuntimeBackendError(
+            f"runtime {backend.name!r} cannot be imported ({exc}); install it: pip install {backend.distribution}"
+        ) from exc
+
+
+def select_backend(name: str | None = None) -> tuple[Backend, Any]:
+    """Return (backend, module) for ``name``, or the first importable backend."""
+    if name:
+        for backend in BACKENDS:
+            if backend.name == name:
+                return backend, _import_backend(backend)
+        raise RuntimeBackendError(f"unknown runtime {name!r}; choose one of: {', '.join(backend_names())}")
+    errors = []
+    for backend in BACKENDS:
+        try:
+            return backend, _import_backend(backend)
+        except RuntimeBackendError as exc:
+            errors.append(str(exc))
+    raise RuntimeBackendError("no TFLite interpreter is installed: pip install ai-edge-litert")
+
+
+def backend_version(backend: Backend) -> str:
+    try:
+        return importlib.metadata.version(backend.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        if backend.name == "tensorflow":
+            try:
+                return importlib.metadata.version("tensorflow-cpu")
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+    scale: float
+    zero_point: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in ("int8", "uint8", "int16") and self.scale != 0.0
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    index: int
+    op_name: str
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+
+
+def _tensor_info(detail: dict) -> TensorInfo:
+    scale, zero_point = detail.get("quantization", (0.0, 0))
+    return TensorInfo(
+        name=detail["name"],
+        index=int(detail["index"]),
+        shape=tuple(int(d) for d in detail["shape"]),
+        dtype=np.dtype(detail["dtype"]).name,
+        scale=float(scale),
+        zero_point=int(zero_point),
+    )
+
+
+def quantize(x: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """Float -> the tensor's integer dtype with its scale and zero point."""
+    dtype = np.dtype(info.dtype)
+    if not info.quantized:
+        return np.asarray(x, dtype=dtype)
+    limits = np.iinfo(dtype)
+    q = np.round(np.asarray(x, dtype=np.float64) / info.scale + info.zero_point)
+    return np.clip(q, limits.min, limits.max).astype(dtype)
+
+
+def dequantize(q: np.ndarray, info: TensorInfo) -> np.ndarray:
+    if not info.quantized:
+        return np.asarray(q, dtype=np.float32)
+    return ((q.astype(np.float32) - info.zero_point) * info.scale).astype(np.float32)
+
+
+@contextlib.contextmanager
+def native_stderr_to_log():
+    """Route what native code writes to fd 2 (e.g. "INFO: Created TensorFlow Lite XNNPACK
+    delegate") into logging, so that the CLI prints only its own lines.
+
+    On success, lines that are not INFO go back to stderr; on an exception they are
+    logged only, because the exception already carries the message.
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real fd 2 (embedded interpreters)
+        yield
+        return
+    failed = False
+    with tempfile.TemporaryFile(mode="w+b") as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read().decode("utf-8", errors="replace")
+            for line in text.splitlines():
+                if not line.strip():
+                    continue
+                if failed or line.startswith("INFO:"):
+                    log.info("runtime: %s", line)
+                else:
+                    sys.stderr.write(line + "\n")
+
+
+class TFLiteModel:
+    """A loaded .tflite model with float-in, float-out prediction."""
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        model_content: bytes | None = None,
+        runtime: str | None = None,
+        num_threads: int | None = None,
+        delegates: list | None = None,
+        use_default_delegates: bool = True,
+        delegate: str | None = None,
+        verify: bool = True,
+    ) -> None:
+        """Load a model.
+
+        Args:
+            delegate: a ``--delegate`` value (``xnnpack``, ``none``, ``edgetpu`` or a
+                library path), loaded with this backend; adds to ``delegates``.
+            verify: check the flatbuffer in Python first, so that a truncated or
+                corrupted file is an error, never a crash in native code.
+        """
+        self.path = Path(path) if path is not None else None
+        self.backend, module = select_backend(runtime)
+        self.backend_version = backend_version(self.backend)
+        if model_content is None:
+            if self.path is None:
+                raise ModelLoadError("no model given: pass a .tflite path")
+            if not self.path.is_file():
+                raise ModelLoadError(f"{self.path}: no such .tflite file")
+            try:
+                model_content = self.path.read_bytes()
+            except OSError as exc:
+                raise ModelLoadError(f"{self.path}: cannot read it ({exc.strerror})") from exc
+        self.model_content = model_content
+        where = str(self.path) if self.path else "model"
+        self.description: ModelDesc | None = verify_tflite(model_content, where) if verify else None
+        delegates = list(delegates or [])
+        self.delegate_name = "xnnpack" if use_default_delegates else "none"
+        if delegate is not None:
+            from edgeq.runtime.delegates import load_delegate
+
+            choice = load_delegate(delegate, module)
+            delegates.extend(choice.delegates)
+            use_default_delegates = use_default_delegates and choice.use_default_delegates
+            self.delegate_name = choice.name
+        elif delegates:
+            self.delegate_name = "custom"
+        if self.description is not None:
+            self._check_custom_ops(self.description, where)
+        kwargs: dict[str, Any] = {"model_content": model_content}
+        if num_threads:
+            kwargs["num_threads"] = int(num_threads)
+        if delegates:
+            kwargs["experimental_delegates"] = delegates
+        if not use_default_delegates:
+            kwargs["experimental_op_resolver_type"] = module.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+        try:
+            with native_stderr_to_log():
+                self.interpreter = module.Interpreter(**kwargs)
+                self.interpreter.allocate_tensors()
+        except (ValueError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"{where}: the interpreter cannot load it: {first}") from exc
+        self.inputs = [_tensor_info(d) for d in self.interpreter.get_input_details()]
+        self.outputs = [_tensor_info(d) for d in self.interpreter.get_output_details()]
+
+    def _check_custom_ops(self, desc: ModelDesc, where: str) -> None:
+        """Name the custom ops this runtime lacks before the interpreter fails on them."""
+        custom = desc.custom_ops()
+        if EDGETPU_CUSTOM_OP in custom and self.delegate_name != "edgetpu":
+            raise ModelLoadError(
+                f"{where}: compiled for the Coral Edge TPU ({EDGETPU_CUSTOM_OP}); "
+                "run it with --delegate edgetpu on a device with an Edge TPU, or profile the uncompiled model"
+            )
+        others = [name for name in custom if name != EDGETPU_CUSTOM_OP]
+        if others and self.delegate_name in ("xnnpack", "none"):
+            raise ModelLoadError(
+                f"{where}: needs custom op(s) {', '.join(others)} that the {self.backend.name} runtime does not "
+                "have; convert without custom ops (TFLITE_BUILTINS_INT8) or load a delegate that provides them"
+            )
+
+    @property
+    def input(self) -> TensorInfo:
+        return self.inputs[0]
+
+    @property
+    def output(self) -> TensorInfo:
+        return self.outputs[0]
+
+    def _resize_for_batch(self, batch: int) -> None:
+        shape = list(self.input.shape)
+        if shape and shape[0] != batch:
+            shape[0] = batch
+            self.interpreter.resize_tensor_input(self.input.index, shape)
+            self.interpreter.allocate_tensors()
+            self.inputs = [_tensor_info(d) for d in self.interpreter.get_input_details()]
+            self.outputs = [_tensor_info(d) for d in self.interpreter.get_output_details()]
+
+    def invoke_raw(self, x_quantized: np.ndarray) -> np.ndarray:
+        """Run one batch already in the input's dtype; return the raw first output."""
+        self.interpreter.set_tensor(self.input.index, x_quantized)
+        self.interpreter.invoke()
+        return self.interpreter.get_tensor(self.output.index)
+
+    def predict(self, x: np.ndarray, batch_size: int = 1) -> np.ndarray:
+        """Float inputs (N, ...) -> dequantized float first output (N, ...)."""
+        x = np.asarray(x, dtype=np.float32)
+        expected = tuple(self.input.shape[1:])
+        if tuple(x.shape[1:]) != expected:
+            raise ModelLoadError(
+                f"input shape {tuple(x.shape[1:])} does not fit the model input {expected}"
+                + (f" of {self.path}" if self.path else "")
+            )
+        results = []
+        for start in range(0, len(x), batch_size):
+            chunk = x[start : start + batch_size]
+            self._resize_for_batch(len(chunk))
+            raw = self.invoke_raw(quantize(chunk, self.input))
+            results.append(dequantize(raw, self.output))
+        if not results:
+            return np.zeros((0,) + tuple(self.output.shape[1:]), dtype=np.float32)
+        return np.concatenate(results, axis=0)
+
+    def ops(self) -> list[OpInfo]:
+        """The ops of the graph with the dtypes of their inputs and outputs."""
+        tensors = {d["index"]: np.dtype(d["dtype"]).name for d in self.interpreter.get_tensor_details()}
+        result = []
+        for op in self.interpreter._get_ops_details():  # noqa: SLF001 - public in all backends
+            result.append(
+                OpInfo(
+                    index=int(op["index"]),
+                    op_name=str(op["op_name"]),
+                    input_dtypes=tuple(tensors.get(i, "none") for i in op["inputs"] if i >= 0),
+                    output_dtypes=tuple(tensors.get(i, "none") for i in op["outputs"] if i >= 0),
+                )
+            )
+        return result

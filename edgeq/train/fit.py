@@ -1,0 +1,408 @@
+"""The training run: stages of FP32 and QAT, a checkpoint every epoch, resumable.
+
+Output folder::
+
+    fp32.keras      the FP32 model (end of the last FP32 stage): the reference
+    qat.h5          the QAT model (end of the last QAT stage); load with quantize_scope
+    history.json    every stage, every epoch
+    run.json        versions, options, data hash, results
+    checkpoint/     while running: state.json, stage_start.keras, stage.weights.h5
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_atomic
+from edgeq.compat import keras, load_keras_model
+from edgeq.data import Dataset, load_dataset
+from edgeq.errors import DataError, ModelLoadError, TrainingInterrupted, UsageError
+from edgeq.train import schemes
+from edgeq.train.layer_config import LayerConfig, LayerPrecision
+from edgeq.train.schedule import Stage, make_schedule
+
+log = logging.getLogger(__name__)
+
+FP32_NAME = "fp32.keras"
+QAT_NAME = "qat.h5"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str  # reference model name (models/*.toml) or a .keras/.h5/SavedModel path
+    out_dir: str
+    data: str | None = None  # None: the recipe's data
+    epochs: int | None = None  # None: the recipe's
+    qat_epochs: int | None = None
+    batch_size: int | None = None
+    learning_rate: float | None = None
+    qat_learning_rate: float | None = None
+    weight_bits: int = 8
+    activation_bits: int = 8
+    granularity: str = "per-channel"
+    activations: str = "asymmetric"
+    clip_norm: float | None = None
+    clip_value: float | None = None
+    schedule: str = "default"
+    layer_config: str | None = None
+    model_options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    name: str
+    kind: str
+    epochs: int
+    weight_bits: int
+    activation_bits: int
+    val_accuracy: float
+    test_accuracy: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    out_dir: Path
+    fp32_model: Path | None
+    qat_model: Path | None
+    history: Path
+    run: Path
+    stages: tuple[StageResult, ...]
+    resumed_from: tuple[int, int] | None = None  # (stage index, epochs done) when resumed
+
+
+def _is_model_path(spec: str) -> bool:
+    return spec.endswith((".keras", ".h5", ".hdf5")) or "/" in spec or Path(spec).exists()
+
+
+def load_user_model(path: str | Path):
+    """Load a float tf_keras model from .keras, .h5 or a SavedModel folder, with clear errors."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such model file or folder")
+    try:
+        model = load_keras_model(path)
+    except Exception as exc:  # Keras raises many types for a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ModelLoadError(
+            f"{path}: not a Keras 2 model that tf_keras can load ({first}); save it with tf_keras "
+            "(.keras/.h5/SavedModel) - TF-MOT needs Keras 2"
+        ) from exc
+    if not isinstance(model, keras.Model):
+        raise ModelLoadError(f"{path}: loaded, but it is not a Keras model (SavedModel without Keras metadata?)")
+    return model
+
+
+def _output_is_probability(model) -> bool:
+    last = model.layers[-1]
+    activation = getattr(last, "activation", None)
+    return type(last).__name__ == "Softmax" or getattr(activation, "__name__", "") == "softmax"
+
+
+def _compile(model, learning_rate: float, clip_norm=None, clip_value=None) -> None:
+    kwargs = {}
+    if clip_norm:
+        kwargs["clipnorm"] = float(clip_norm)
+    if clip_value:
+        kwargs["clipvalue"] = float(clip_value)
+    optimizer = keras.optimizers.Adam(learning_rate=learning_rate, **kwargs)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=not _output_is_probability(model))
+    model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
+
+
+class _EpochRecorder(keras.callbacks.Callback):
+    """Records each epoch and writes the checkpoint, so a crash loses at most one epoch."""
+
+    def __init__(self, run: _Run, stage_index: int, progress_bar):
+        super().__init__()
+        self.run = run
+        self.stage_index = stage_index
+        self.bar = progress_bar
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = {k: float(v) for k, v in (logs or {}).items()}
+        record = {"epoch": epoch + 1, "seconds": round(time.perf_counter() - self._start, 3), **logs}
+        self.run.history[self.stage_index]["epochs"].append(record)
+        self.run.save_checkpoint(self.model, self.stage_index, epoch + 1)
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"{self.run.stages[self.stage_index].name} acc={logs.get('accuracy', 0):.3f} "
+                f"val={logs.get('val_accuracy', 0):.3f}"
+            )
+            self.bar.update(1)
+
+
+class _Run:
+    def __init__(self, out_dir: Path, stages: list[Stage], config: TrainConfig):
+        self.out_dir = out_dir
+        self.ckpt = out_dir / "checkpoint"
+        self.stages = stages
+        self.config = config
+        self.history: list[dict] = [
+            {**s.to_dict(), "epochs": [], "final": None} for s in stages
+        ]
+
+    def save_checkpoint(self, model, stage_index: int, epochs_done: int) -> None:
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+        with atomic_path(self.ckpt / "stage.weights.h5") as tmp:
+            model.save_weights(str(tmp))
+        write_json_atomic(
+            self.ckpt / "state.json",
+            {"stage": stage_index, "epochs_done": epochs_done, "history": self.history, "config": self.config.to_dict()},
+        )
+        write_json_atomic(self.out_dir / "history.json", {"stages": self.history})
+
+    def save_stage_start(self, float_model, stage_index: int) -> None:
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+        with atomic_path(self.ckpt / "stage_start.keras") as tmp:
+            float_model.save(str(tmp))
+        weights = self.ckpt / "stage.weights.h5"
+        if weights.exists():
+            weights.unlink()
+        write_json_atomic(
+            self.ckpt / "state.json",
+            {"stage": stage_index, "epochs_done": 0, "history": self.history, "config": self.config.to_dict()},
+        )
+
+
+def _resolve(config: TrainConfig):
+    """Model, dataset and the effective hyper-parameters (recipe defaults filled in)."""
+    from edgeq import zoo
+
+    recipe = None
+    if not _is_model_path(config.model):
+        recipe = zoo.load_recipe(config.model)
+    data_source = config.data or (recipe.data if recipe else None)
+    if not data_source:
+        raise UsageError(f"{config.model}: give --data (digits, synthetic:HxWxC:K, npz:PATH, images:DIR)")
+    if recipe is None:
+        model = load_user_model(config.model)
+        if schemes.is_qat_model(model):
+            raise UsageError(f"{config.model} is already quantization-aware; give edgeq train the FP32 model")
+        input_shape = tuple(model.input_shape[1:])
+        dataset = load_dataset(data_source, input_shape=input_shape)
+        dataset.check_fits(input_shape, where=f"model {config.model}")
+    else:
+        options = {**recipe.model, **config.model_options}
+        shape_hint = None
+        if recipe.architecture == "mobilenetv2" and "input_size" in options:
+            size = int(options.pop("input_size"))
+            shape_hint = (size, size, 3)
+        dataset = load_dataset(data_source, input_shape=shape_hint)
+        if shape_hint is not None:
+            dataset.check_fits(shape_hint, where=f"{config.model} with input_size {shape_hint[0]}")
+        try:
+            model = zoo.build(recipe.architecture, dataset.input_shape, dataset.num_classes, **options)
+        except TypeError as exc:
+            raise UsageError(f"{config.model}: bad model option ({exc})") from exc
+        except ValueError as exc:
+            raise DataError(
+                f"{config.model} cannot be built for data {data_source!r} of shape {dataset.input_shape}: "
+                f"{str(exc).splitlines()[0]}"
+            ) from exc
+    outputs = int(model.output_shape[-1])
+    if outputs != dataset.num_classes:
+        raise DataError(
+            f"data {data_source!r} has {dataset.num_classes} classes but the model outputs {outputs}: "
+            "use matching data or a model with that many outputs"
+        )
+    hp = {
+        "epochs": config.epochs if config.epochs is not None else (recipe.epochs if recipe else 10),
+        "qat_epochs": config.qat_epochs if config.qat_epochs is not None else (recipe.qat_epochs if recipe else 3),
+        "batch_size": config.batch_size or (recipe.batch_size if recipe else 32),
+        "learning_rate": config.learning_rate or (recipe.learning_rate if recipe else 1e-3),
+        "qat_learning_rate": config.qat_learning_rate or (recipe.qat_learning_rate if recipe else 1e-4),
+    }
+    return model, dataset, hp, recipe
+
+
+def _accuracy(model, x, y, batch_size=256) -> float:
+    if len(x) == 0:
+        return float("nan")
+    pred = model.predict(x, batch_size=batch_size, verbose=0)
+    return float(np.mean(np.argmax(pred, axis=-1) == y))
+
+
+def train(config: TrainConfig, resume: bool = False, force: bool = False, progress: bool = False) -> TrainResult:
+    """FP32 training then QAT stages, writing models, history and run record to out_dir."""
+    out_dir = Path(config.out_dir)
+    state_file = out_dir / "checkpoint" / "state.json"
+    state = None
+    if resume:
+        if not state_file.is_file():
+            raise UsageError(f"{out_dir}: nothing to resume (no checkpoint/state.json); run without --resume")
+        state = json.loads(state_file.read_text())
+        config = TrainConfig(**state["config"])
+        log.info("resuming %s at stage %d after %d epochs", out_dir, state["stage"], state["epochs_done"])
+    elif state_file.is_file() and not force:
+        raise UsageError(f"{out_dir} holds an unfinished run: continue it with --resume, or start over with --force")
+    elif (out_dir / "run.json").is_file() and not force:
+        raise UsageError(f"{out_dir} already holds a finished run: choose another --out, or overwrite with --force")
+
+    if config.weight_bits not in range(2, 9):
+        raise UsageError(f"--weight-bits must be between 2 and 8, got {config.weight_bits}")
+    keras.utils.set_random_seed(config.seed)
+    model, dataset, hp, recipe = _resolve(config)
+    stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], config.weight_bits, config.activation_bits)
+    if not stages:
+        raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
+
+    layer_names = [layer.name for layer in model.layers]
+    layer_plan: dict[str, LayerPrecision] = {}
+    if config.layer_config:
+        default = LayerPrecision(config.weight_bits, config.activation_bits)
+        resolved = LayerConfig.load(config.layer_config).resolve(layer_names, default)
+        layer_plan = {name: p for name, p in resolved.items() if p != default}
+    settings = schemes.QuantSettings(
+        config.weight_bits, config.activation_bits, config.granularity, config.activations, layer_plan
+    )
+    quantizable = schemes.quantizable_layer_names(model)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = _Run(out_dir, stages, config)
+    start_stage, start_epoch = 0, 0
+    if state is not None:
+        run.history = state["history"]
+        start_stage, start_epoch = int(state["stage"]), int(state["epochs_done"])
+        model = load_user_model(out_dir / "checkpoint" / "stage_start.keras")
+    elif force:
+        for name in (FP32_NAME, QAT_NAME, "run.json", "history.json"):
+            if (out_dir / name).exists():
+                (out_dir / name).unlink()
+        shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
+
+    total = sum(s.epochs for s in stages)
+    done = sum(s.epochs for s in stages[:start_stage]) + start_epoch
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=done, unit="epoch", desc="train", dynamic_ncols=True)
+
+    float_model = model
+    qat_model = None
+    results: list[StageResult] = []
+    started = time.perf_counter()
+    try:
+        for index in range(start_stage, len(stages)):
+            stage = stages[index]
+            initial_epoch = start_epoch if index == start_stage else 0
+            if initial_epoch == 0:
+                run.save_stage_start(float_model, index)
+            if stage.kind == "fp32":
+                stage_model = float_model
+                _compile(stage_model, hp["learning_rate"])
+            else:
+                n = max(1, math.ceil(stage.layer_fraction * len(quantizable)))
+                only = set(quantizable[:n]) if stage.layer_fraction < 1.0 else None
+                stage_settings = replace(settings, weight_bits=stage.weight_bits, activation_bits=stage.activation_bits)
+                stage_model = schemes.build_qat_model(float_model, stage_settings, only_layers=only)
+                _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value)
+            if initial_epoch > 0:
+                stage_model.load_weights(str(out_dir / "checkpoint" / "stage.weights.h5"))
+            t0 = time.perf_counter()
+            if initial_epoch < stage.epochs:
+                stage_model.fit(
+                    dataset.x_train,
+                    dataset.y_train,
+                    validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,
+                    epochs=stage.epochs,
+                    initial_epoch=initial_epoch,
+                    batch_size=hp["batch_size"],
+                    shuffle=True,
+                    verbose=0,
+                    callbacks=[_EpochRecorder(run, index, bar)],
+                )
+            val_acc = _accuracy(stage_model, dataset.x_val, dataset.y_val)
+            test_acc = _accuracy(stage_model, dataset.x_test, dataset.y_test)
+            result = StageResult(
+                stage.name, stage.kind, stage.epochs, stage.weight_bits, stage.activation_bits,
+                val_acc, test_acc, round(time.perf_counter() - t0, 3),
+            )
+            results.append(result)
+            run.history[index]["final"] = {"val_accuracy": val_acc, "test_accuracy": test_acc}
+            log.info("stage %s: val %.4f test %.4f", stage.name, val_acc, test_acc)
+            if stage.kind == "fp32":
+                with atomic_path(out_dir / FP32_NAME) as tmp:
+                    float_model.save(str(tmp))
+            else:
+                schemes.copy_float_weights(stage_model, float_model)
+                qat_model = stage_model
+    except KeyboardInterrupt as exc:
+        raise TrainingInterrupted(
+            f"training interrupted; completed epochs are saved in {out_dir}/checkpoint: "
+            f"continue with edgeq train {config.model} --out {out_dir} --resume"
+        ) from exc
+    finally:
+        if bar is not None:
+            bar.close()
+
+    if not (out_dir / FP32_NAME).exists():  # QAT-only schedule: the starting model is the reference
+        with atomic_path(out_dir / FP32_NAME) as tmp:
+            model.save(str(tmp))
+    qat_path = None
+    if qat_model is not None:
+        qat_path = out_dir / QAT_NAME
+        with atomic_path(qat_path) as tmp:
+            qat_model.save(str(tmp))
+    write_json_atomic(out_dir / "history.json", {"stages": run.history})
+    record = {
+        "kind": "edgeq.train",
+        "complete": True,
+        "config": config.to_dict(),
+        "recipe": recipe.name if recipe else None,
+        "hyperparameters": hp,
+        "quantization": settings.to_dict(),
+        "schedule": [s.to_dict() for s in stages],
+        "data": dataset.describe(),
+        "normalization": dataset.normalization.to_dict(),
+        "input_shape": list(dataset.input_shape),
+        "num_classes": dataset.num_classes,
+        "results": [asdict(r) for r in results],
+        "resumed_from": [start_stage, start_epoch] if state is not None else None,
+        "train_seconds": round(time.perf_counter() - started, 3),
+        "artifacts": {
+            FP32_NAME: sha256_file(out_dir / FP32_NAME),
+            **({QAT_NAME: sha256_file(qat_path)} if qat_path else {}),
+        },
+        "provenance": provenance(),
+    }
+    write_json_atomic(out_dir / "run.json", record)
+    shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
+    return TrainResult(
+        out_dir=out_dir,
+        fp32_model=out_dir / FP32_NAME,
+        qat_model=qat_path,
+        history=out_dir / "history.json",
+        run=out_dir / "run.json",
+        stages=tuple(results),
+        resumed_from=(start_stage, start_epoch) if state is not None else None,
+    )
+
+
+def run_record_for(model_path: str | Path) -> dict | None:
+    """The run.json that sits beside a model trained by edgeq, if any."""
+    candidate = Path(model_path).parent / "run.json"
+    if candidate.is_file():
+        try:
+            return json.loads(candidate.read_text())
+        except ValueError:
+            return None
+    return None

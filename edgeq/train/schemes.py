@@ -1,0 +1,262 @@
+"""From a float Keras model to a fake-quantized QAT model, with TF-MOT.
+
+Uses TF-MOT's default 8-bit scheme when every layer is 8/8 and its n-bit scheme
+otherwise, through one registry that picks each layer's bits from the layer-wise plan.
+Layers kept float are simply not annotated. Conv-BN(-ReLU) patterns are handled by the
+schemes' layout transforms so that BN folds into the convolution on conversion.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from edgeq.compat import keras, tfmot
+from edgeq.errors import UnsupportedLayerError, UsageError
+from edgeq.train.layer_config import LayerPrecision
+
+_q = tfmot.quantization.keras
+from tensorflow_model_optimization.python.core.quantization.keras import quantizers as _quantizers  # noqa: E402
+from tensorflow_model_optimization.python.core.quantization.keras.default_8bit import (  # noqa: E402
+    default_8bit_quantize_layout_transform as _layout8,
+)
+from tensorflow_model_optimization.python.core.quantization.keras.default_8bit import (  # noqa: E402
+    default_8bit_quantize_registry as _registry8,
+)
+from tensorflow_model_optimization.python.core.quantization.keras.experimental.default_n_bit import (  # noqa: E402
+    default_n_bit_quantize_layout_transform as _layout_n,
+)
+from tensorflow_model_optimization.python.core.quantization.keras.experimental.default_n_bit import (  # noqa: E402
+    default_n_bit_quantize_registry as _registry_n,
+)
+from tensorflow_model_optimization.python.core.quantization.keras.quantize_wrapper import (  # noqa: E402
+    QuantizeWrapper,
+)
+
+GRANULARITIES = ("per-channel", "per-tensor")
+ACTIVATION_MODES = ("asymmetric", "symmetric")
+
+# Layers that carry no weights and need no quantizer of their own: never an obstacle.
+_PASS_THROUGH = ("InputLayer", "Dropout", "SpatialDropout1D", "SpatialDropout2D", "GaussianNoise")
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """The quantization a QAT stage simulates."""
+
+    weight_bits: int = 8
+    activation_bits: int = 8
+    granularity: str = "per-channel"
+    activations: str = "asymmetric"
+    layers: dict[str, LayerPrecision] = field(default_factory=dict)  # layer-wise overrides
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES:
+            raise UsageError(f"--granularity must be one of {', '.join(GRANULARITIES)}")
+        if self.activations not in ACTIVATION_MODES:
+            raise UsageError(f"--activations must be one of {', '.join(ACTIVATION_MODES)}")
+        if not 2 <= self.weight_bits <= 8:
+            raise UsageError(f"--weight-bits must be between 2 and 8, got {self.weight_bits}")
+        if self.activation_bits not in (8, 16):
+            raise UsageError(f"--activation-bits must be 8 or 16, got {self.activation_bits}")
+
+    def precision_of(self, name: str) -> LayerPrecision:
+        return self.layers.get(name, LayerPrecision(self.weight_bits, self.activation_bits))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layers"] = {k: v.to_dict() for k, v in self.layers.items()}
+        return d
+
+
+class LayerwiseRegistry(_q.QuantizeRegistry):
+    """Delegates each layer to a TF-MOT registry built for that layer's bits."""
+
+    def __init__(self, settings: QuantSettings):
+        self.settings = settings
+        self._per_tensor = settings.granularity == "per-tensor"
+        self._cache: dict[tuple[int, int], _q.QuantizeRegistry] = {}
+
+    def _registry(self, weight_bits: int, activation_bits: int):
+        key = (weight_bits, activation_bits)
+        if key not in self._cache:
+            if key == (8, 8):
+                self._cache[key] = _registry8.Default8BitQuantizeRegistry(disable_per_axis=self._per_tensor)
+            else:
+                self._cache[key] = _registry_n.DefaultNBitQuantizeRegistry(
+                    disable_per_axis=self._per_tensor, num_bits_weight=weight_bits, num_bits_activation=activation_bits
+                )
+        return self._cache[key]
+
+    def _for(self, layer):
+        p = self.settings.precision_of(layer.name)
+        return self._registry(p.weight_bits, p.activation_bits)
+
+    def supports(self, layer) -> bool:
+        return self._for(layer).supports(layer)
+
+    def get_quantize_config(self, layer):
+        return self._for(layer).get_quantize_config(layer)
+
+
+class LayerwiseScheme(_q.QuantizeScheme):
+    def __init__(self, settings: QuantSettings):
+        self.settings = settings
+
+    def get_layout_transformer(self):
+        if self.settings.weight_bits == 8 and self.settings.activation_bits == 8:
+            return _layout8.Default8BitQuantizeLayoutTransform()
+        return _layout_n.DefaultNBitQuantizeLayoutTransform(
+            num_bits_weight=self.settings.weight_bits, num_bits_activation=self.settings.activation_bits
+        )
+
+    def get_quantize_registry(self):
+        return LayerwiseRegistry(self.settings)
+
+
+def quantizable_layer_names(model) -> list[str]:
+    """Layers with weights, in graph order: the units of layer-wise plans and stepped stages."""
+    return [layer.name for layer in model.layers if layer.weights and type(layer).__name__ != "InputLayer"]
+
+
+def _check_model_kind(model) -> None:
+    if not isinstance(model, keras.Model) or not (
+        isinstance(model, keras.Sequential) or getattr(model, "_is_graph_network", False)
+    ):
+        raise UnsupportedLayerError(
+            f"model {getattr(model, 'name', '?')!r} is a subclassed Keras model; TF-MOT quantizes only "
+            "Sequential and Functional models: rebuild it with the functional API"
+        )
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            raise UnsupportedLayerError(
+                f"layer {layer.name!r} is a nested model ({type(layer).__name__}); TF-MOT cannot quantize nested "
+                "models: flatten it into one functional model"
+            )
+
+
+_UNSUPPORTED = re.compile(r"Layer (?P<name>[^:]+):<class '(?P<cls>[^']+)'> is not supported")
+
+
+def _producers(layer) -> list[str]:
+    names = []
+    for node in getattr(layer, "_inbound_nodes", [])[:1]:
+        inbound = node.inbound_layers
+        for producer in inbound if isinstance(inbound, (list, tuple)) else [inbound]:
+            names.append(producer.name)
+    return names
+
+
+def layers_to_quantize(model, settings: QuantSettings, only_layers: set[str] | None = None) -> set[str]:
+    """Names of the layers to annotate, in one pass over the graph in order.
+
+    Layers with weights follow the plan (keep-float) and the stage (``only_layers``).
+    BatchNormalization follows its producer: TF-MOT quantizes BN only folded into the
+    conv/dense before it. Other weightless layers are quantized in full stages, and in
+    partial stages only after a quantized layer.
+    """
+    keep_float = {name for name, p in settings.layers.items() if p.keep_float}
+    chosen: set[str] = set()
+    for layer in model.layers:
+        kind = type(layer).__name__
+        if kind in _PASS_THROUGH or layer.name in keep_float:
+            continue
+        producers = _producers(layer)
+        if kind.startswith("BatchNormalization"):
+            if producers and all(p in chosen for p in producers):
+                chosen.add(layer.name)
+        elif layer.weights:
+            if only_layers is None or layer.name in only_layers:
+                chosen.add(layer.name)
+        elif only_layers is None or any(p in chosen for p in producers):
+            chosen.add(layer.name)
+    return chosen
+
+
+def build_qat_model(model, settings: QuantSettings, only_layers: set[str] | None = None):
+    """Return the fake-quantized twin of ``model`` (weights copied; ``model`` untouched).
+
+    Args:
+        model: float Functional/Sequential tf_keras model.
+        settings: bits, granularity, symmetric/asymmetric activations, layer-wise plan.
+        only_layers: quantize just these layers (stepped schedules); None means all.
+    """
+    _check_model_kind(model)
+    to_quantize = layers_to_quantize(model, settings, only_layers)
+
+    def annotate(layer):
+        fresh = layer.__class__.from_config(layer.get_config())
+        return _q.quantize_annotate_layer(fresh) if layer.name in to_quantize else fresh
+
+    try:
+        annotated = keras.models.clone_model(model, clone_function=annotate)
+    except ValueError as exc:
+        raise UnsupportedLayerError(f"TF-MOT cannot annotate model {model.name!r}: {str(exc).splitlines()[0]}") from exc
+    annotated.set_weights(model.get_weights())
+    try:
+        with _q.quantize_scope():
+            qat = _q.quantize_apply(annotated, scheme=LayerwiseScheme(settings))
+    except RuntimeError as exc:
+        match = _UNSUPPORTED.search(str(exc))
+        if not match:
+            raise
+        cls = match.group("cls").rsplit(".", 1)[-1]
+        raise UnsupportedLayerError(
+            f"layer {match.group('name')!r} ({cls}) cannot be quantized by TF-MOT: leave it float with "
+            f'--layer-config FILE containing {{"layers": {{"{match.group("name")}": "float"}}}}'
+        ) from exc
+    if settings.activations == "symmetric":
+        set_symmetric_activations(qat)
+    return qat
+
+
+def set_symmetric_activations(qat_model) -> int:
+    """Make every activation quantizer symmetric (zero point 0); returns how many changed.
+
+    TF-MOT's activation quantizers take ``symmetric`` as a plain attribute read when the
+    graph is traced, so switching it before the first fit/convert is enough.
+    """
+    changed = 0
+    seen = set()
+    for layer in qat_model.layers:
+        candidates = []
+        if isinstance(layer, QuantizeWrapper):
+            candidates += [a.quantizer for a in getattr(layer, "_quantize_activations", [])]
+            candidates += list(getattr(layer, "_output_quantizers", []) or [])
+        if hasattr(layer, "quantizer"):  # QuantizeLayer at the inputs
+            candidates.append(layer.quantizer)
+        for quantizer in candidates:
+            if id(quantizer) in seen:
+                continue
+            seen.add(id(quantizer))
+            if isinstance(quantizer, (_quantizers.MovingAverageQuantizer, _quantizers.AllValuesQuantizer)):
+                quantizer.symmetric = True
+                changed += 1
+    return changed
+
+
+def is_qat_model(model) -> bool:
+    return any(
+        isinstance(layer, QuantizeWrapper) or type(layer).__name__ == "QuantizeLayer" for layer in model.layers
+    )
+
+
+def copy_float_weights(qat_model, float_model) -> None:
+    """Copy the trained float weights inside the QAT wrappers back into the float model."""
+    by_name = {layer.name: layer for layer in qat_model.layers}
+    for layer in float_model.layers:
+        if not layer.weights:
+            continue
+        source = by_name.get(f"quant_{layer.name}", by_name.get(layer.name))
+        if source is None:
+            raise RuntimeError(f"layer {layer.name} has no counterpart in the QAT model")
+        # Inside a QuantizeWrapper the wrapped layer's variables are tracked by the
+        # wrapper, beside the quantizers' own (min/max, optimizer_step): match by name.
+        available = {v.name.split("/", 1)[-1]: v for v in source.weights if not v.name.startswith(source.name + "/")}
+        values = []
+        for weight in layer.weights:
+            key = weight.name.split("/", 1)[-1]
+            if key not in available:
+                raise RuntimeError(f"weight {weight.name} of layer {layer.name} not found in {source.name}")
+            values.append(available[key].numpy())
+        layer.set_weights(values)

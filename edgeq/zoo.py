@@ -1,0 +1,153 @@
+"""Registry of reference Keras architectures and their recipes (``models/*.toml``).
+
+Builders are Keras 2 (tf_keras) functional models made only of layers TF-MOT can
+quantize: convolutions without bias before BatchNormalization, ReLU/ReLU6 layers, Add.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from edgeq.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a reference model is trained and what it must reach."""
+
+    name: str
+    architecture: str
+    description: str
+    data: str
+    model: dict[str, Any] = field(default_factory=dict)
+    epochs: int = 10
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    qat_epochs: int = 3
+    qat_learning_rate: float = 1e-4
+    max_drop_pp: float = 1.0
+    fp32_min_accuracy: float = 0.0
+
+
+def _layers():
+    from edgeq.compat import keras
+
+    return keras, keras.layers
+
+
+def digits_cnn(input_shape=(8, 8, 1), num_classes=10, width: int = 32):
+    """Conv-BN-ReLU x3 for 8x8 digits; BN folds into the convolutions on conversion."""
+    keras, L = _layers()
+    inputs = L.Input(input_shape, name="input")
+    h = inputs
+    for i, channels in enumerate((width, 2 * width, 2 * width)):
+        h = L.Conv2D(channels, 3, padding="same", use_bias=False, name=f"conv{i + 1}")(h)
+        h = L.BatchNormalization(name=f"bn{i + 1}")(h)
+        h = L.ReLU(name=f"relu{i + 1}")(h)
+        if i == 1:
+            h = L.MaxPooling2D(name="pool")(h)
+    h = L.GlobalAveragePooling2D(name="gap")(h)
+    outputs = L.Dense(num_classes, activation="softmax", name="logits")(h)
+    return keras.Model(inputs, outputs, name="digits_cnn")
+
+
+def mobilenetv2(input_shape=(96, 96, 3), num_classes=10, alpha: float = 0.35):
+    """MobileNetV2 from tf_keras.applications, random weights (nothing is downloaded)."""
+    keras, _ = _layers()
+    return keras.applications.MobileNetV2(
+        input_shape=tuple(input_shape), alpha=alpha, weights=None, classes=num_classes, include_top=True
+    )
+
+
+def ds_cnn(input_shape=(49, 10, 1), num_classes=12, filters: int = 64):
+    """Keyword spotting DS-CNN (MLPerf Tiny KWS shape): 49x10 MFCC in, 12 classes out."""
+    keras, L = _layers()
+    inputs = L.Input(input_shape, name="input")
+    h = L.Conv2D(filters, (10, 4), strides=(2, 2), padding="same", use_bias=False, name="conv1")(inputs)
+    h = L.BatchNormalization(name="bn1")(h)
+    h = L.ReLU(name="relu1")(h)
+    for i in range(4):
+        h = L.DepthwiseConv2D(3, padding="same", use_bias=False, name=f"dw{i + 1}")(h)
+        h = L.BatchNormalization(name=f"dw{i + 1}_bn")(h)
+        h = L.ReLU(name=f"dw{i + 1}_relu")(h)
+        h = L.Conv2D(filters, 1, use_bias=False, name=f"pw{i + 1}")(h)
+        h = L.BatchNormalization(name=f"pw{i + 1}_bn")(h)
+        h = L.ReLU(name=f"pw{i + 1}_relu")(h)
+    h = L.AveragePooling2D(pool_size=tuple(int(d) for d in h.shape[1:3]), name="avgpool")(h)
+    h = L.Flatten(name="flatten")(h)
+    outputs = L.Dense(num_classes, activation="softmax", name="logits")(h)
+    return keras.Model(inputs, outputs, name="ds_cnn")
+
+
+def resnet8(input_shape=(32, 32, 3), num_classes=10):
+    """ResNet-8 (MLPerf Tiny image classification shape): three residual stacks."""
+    keras, L = _layers()
+    inputs = L.Input(input_shape, name="input")
+    h = L.Conv2D(16, 3, padding="same", use_bias=False, name="conv1")(inputs)
+    h = L.BatchNormalization(name="bn1")(h)
+    h = L.ReLU(name="relu1")(h)
+    for stack, (channels, stride) in enumerate(((16, 1), (32, 2), (64, 2)), start=1):
+        shortcut = h
+        y = L.Conv2D(channels, 3, strides=stride, padding="same", use_bias=False, name=f"s{stack}_conv1")(h)
+        y = L.BatchNormalization(name=f"s{stack}_bn1")(y)
+        y = L.ReLU(name=f"s{stack}_relu1")(y)
+        y = L.Conv2D(channels, 3, padding="same", use_bias=False, name=f"s{stack}_conv2")(y)
+        y = L.BatchNormalization(name=f"s{stack}_bn2")(y)
+        if stride != 1 or int(shortcut.shape[-1]) != channels:
+            shortcut = L.Conv2D(channels, 1, strides=stride, name=f"s{stack}_shortcut")(shortcut)
+        h = L.Add(name=f"s{stack}_add")([y, shortcut])
+        h = L.ReLU(name=f"s{stack}_relu2")(h)
+    h = L.AveragePooling2D(pool_size=tuple(int(d) for d in h.shape[1:3]), name="avgpool")(h)
+    h = L.Flatten(name="flatten")(h)
+    outputs = L.Dense(num_classes, activation="softmax", name="logits")(h)
+    return keras.Model(inputs, outputs, name="resnet8")
+
+
+ARCHITECTURES: dict[str, Callable[..., Any]] = {
+    "digits-cnn": digits_cnn,
+    "mobilenetv2": mobilenetv2,
+    "ds-cnn": ds_cnn,
+    "resnet8": resnet8,
+}
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("edgeq.models").iterdir() if p.name.endswith(".toml"))
+
+
+def load_recipe(name: str) -> Recipe:
+    file = resources.files("edgeq.models").joinpath(f"{name}.toml")
+    if not file.is_file():
+        raise UsageError(f"no reference model {name!r}; choose one of: {', '.join(list_recipes())}, or a model file")
+    raw = tomllib.loads(file.read_text())
+    train, qat, budget = raw.get("train", {}), raw.get("qat", {}), raw.get("budget", {})
+    return Recipe(
+        name=name,
+        architecture=raw["architecture"],
+        description=raw.get("description", ""),
+        data=raw["data"],
+        model=dict(raw.get("model", {})),
+        epochs=int(train.get("epochs", 10)),
+        batch_size=int(train.get("batch_size", 32)),
+        learning_rate=float(train.get("learning_rate", 1e-3)),
+        qat_epochs=int(qat.get("epochs", 3)),
+        qat_learning_rate=float(qat.get("learning_rate", 1e-4)),
+        max_drop_pp=float(budget.get("max_drop_pp", 1.0)),
+        fp32_min_accuracy=float(budget.get("fp32_min_accuracy", 0.0)),
+    )
+
+
+def build(name: str, input_shape: tuple | None = None, num_classes: int | None = None, **options):
+    """Build reference architecture ``name`` for the given input shape and classes."""
+    if name not in ARCHITECTURES:
+        raise UsageError(f"unknown architecture {name!r}; choose one of: {', '.join(sorted(ARCHITECTURES))}")
+    kwargs = dict(options)
+    if input_shape is not None:
+        kwargs["input_shape"] = tuple(int(d) for d in input_shape)
+    if num_classes is not None:
+        kwargs["num_classes"] = int(num_classes)
+    return ARCHITECTURES[name](**kwargs)

@@ -1,0 +1,1 @@
+"""Reference-model recipes (TOML), shipped inside the package as ``edgeq.models``."""

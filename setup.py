@@ -1,0 +1,52 @@
+"""edgeq: Keras model -> verified integer-only TFLite model -> proven on an edge device.
+
+`pip install edgeq` is the device runtime (numpy, click, LiteRT). The host extras bring
+TensorFlow and TF-MOT: `pip install "edgeq[train]"`.
+"""
+
+import re
+from pathlib import Path
+
+from setuptools import setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "edgeq" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="edgeq",
+    version=VERSION,
+    description="Quantization-aware training, integer-only TFLite conversion and on-device proof",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["edgeq", "edgeq.commands", "edgeq.runtime", "edgeq.train", "edgeq.models"],
+    # Reference-model recipes live in the top-level models/ folder and ship inside the
+    # package as edgeq.models, so an installed edgeq finds them without the checkout.
+    package_dir={"edgeq.models": "models"},
+    package_data={"edgeq.models": ["*.toml"]},
+    install_requires=[
+        "numpy>=1.23",
+        "click>=8.1",
+        # LiteRT has wheels for x86-64 and aarch64 Linux; old numpy<2 devices may use
+        # tflite-runtime instead (edgeq.runtime falls back to it).
+        "ai-edge-litert>=2.0; platform_machine=='x86_64' or platform_machine=='aarch64' or platform_machine=='AMD64' or platform_machine=='arm64'",
+    ],
+    extras_require={
+        "train": [
+            # tf-keras depends on the full "tensorflow" package, so depending on
+            # tensorflow-cpu too would only install TensorFlow twice.
+            "tensorflow==2.21.0",
+            "tf-keras==2.21.0",
+            "tensorflow-model-optimization==0.8.1",
+            "scikit-learn>=1.3",
+            "pillow>=9",
+            "tqdm>=4.60",
+        ],
+        "dev": [
+            "pytest>=8",
+            "ruff>=0.6",
+            "hypothesis>=6",
+        ],
+    },
+    entry_points={"console_scripts": ["edgeq=edgeq.cli:main"]},
+)
