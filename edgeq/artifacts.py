@@ -49,7 +49,7 @@ def atomic_path(final: str | os.PathLike, suffix: str | None = None) -> Iterator
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=suffix if suffix is not None else final.suffix,
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=suffix if suffix is not None else "".join(final.suffixes),
                                dir=final.parent)
     os.close(fd)
     tmp_path = Path(tmp)

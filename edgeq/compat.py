@@ -32,8 +32,10 @@ __all__ = ["tf", "keras", "tfmot", "quantize_scope", "load_keras_model"]
 
 
 def quantize_scope():
-    """Custom objects needed to load a model saved during or after QAT."""
-    return tfmot.quantization.keras.quantize_scope()
+    """Custom objects needed to load a model saved during or after QAT (edgeq's too)."""
+    from edgeq.train.schemes import CUSTOM_OBJECTS
+
+    return tfmot.quantization.keras.quantize_scope(CUSTOM_OBJECTS)
 
 
 def load_keras_model(path: str | os.PathLike, compile: bool = False):

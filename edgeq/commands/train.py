@@ -43,6 +43,8 @@ def _model_options(values: tuple[str, ...]) -> dict:
 @click.option("--clip-value", type=click.FloatRange(min=0, min_open=True), help="Clip gradient values during QAT.")
 @click.option("--schedule", default="default", show_default=True, help="default | stepped | a JSON/TOML stage file.")
 @click.option("--layer-config", type=click.Path(), help="Layer-wise bits / keep-float (JSON or TOML, names or re:REGEX).")
+@click.option("--fold-bn/--no-fold-bn", "fold_bn", default=None,
+              help="Fold BatchNormalization into the conv/dense before QAT (default: only with per-tensor).")
 @click.option("-o", "--model-option", "model_options", multiple=True, help="Reference-model option KEY=VALUE (e.g. alpha=0.5).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue the unfinished run in --out (its saved options are used).")

@@ -27,6 +27,7 @@ from edgeq.compat import keras, load_keras_model
 from edgeq.data import Dataset, load_dataset
 from edgeq.errors import DataError, ModelLoadError, TrainingInterrupted, UsageError
 from edgeq.train import schemes
+from edgeq.train.fold import fold_batchnorm
 from edgeq.train.layer_config import LayerConfig, LayerPrecision
 from edgeq.train.schedule import Stage, make_schedule
 
@@ -54,6 +55,7 @@ class TrainConfig:
     clip_value: float | None = None
     schedule: str = "default"
     layer_config: str | None = None
+    fold_bn: bool | None = None  # None: fold when per-tensor (the converter's fold is wrong there)
     model_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
@@ -297,6 +299,9 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         bar = tqdm(total=total, initial=done, unit="epoch", desc="train", dynamic_ncols=True)
 
     float_model = model
+    fold_bn = config.fold_bn if config.fold_bn is not None else config.granularity == "per-tensor"
+    # A resumed run restarts from checkpoint/stage_start.keras, folded already if it was.
+    folded = state is not None and not any(type(la).__name__ == "BatchNormalization" for la in model.layers)
     qat_model = None
     results: list[StageResult] = []
     started = time.perf_counter()
@@ -305,6 +310,10 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
             stage = stages[index]
             initial_epoch = start_epoch if index == start_stage else 0
             if initial_epoch == 0:
+                run.save_stage_start(float_model, index)
+            if stage.kind == "qat" and fold_bn and initial_epoch == 0 and not folded:
+                float_model = fold_batchnorm(float_model)
+                folded = True
                 run.save_stage_start(float_model, index)
             if stage.kind == "fp32":
                 stage_model = float_model
@@ -369,7 +378,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         "config": config.to_dict(),
         "recipe": recipe.name if recipe else None,
         "hyperparameters": hp,
-        "quantization": settings.to_dict(),
+        "quantization": {**settings.to_dict(), "batchnorm_folded_before_qat": bool(fold_bn)},
         "schedule": [s.to_dict() for s in stages],
         "data": dataset.describe(),
         "normalization": dataset.normalization.to_dict(),

@@ -99,19 +99,88 @@ class LayerwiseRegistry(_q.QuantizeRegistry):
         return self._for(layer).get_quantize_config(layer)
 
 
+class WeightsOnlyQuantizeConfig(_q.QuantizeConfig):
+    """Quantize a layer's weights as ``config`` does, but not its output.
+
+    For a Conv/Dense directly followed by a ReLU layer: the ReLU's output quantizer
+    covers both, and the converter fuses the two.
+    """
+
+    def __init__(self, config):
+        self.config = config
+
+    def get_weights_and_quantizers(self, layer):
+        return self.config.get_weights_and_quantizers(layer)
+
+    def set_quantize_weights(self, layer, quantize_weights):
+        self.config.set_quantize_weights(layer, quantize_weights)
+
+    def get_activations_and_quantizers(self, layer):
+        return []
+
+    def set_quantize_activations(self, layer, quantize_activations):
+        pass
+
+    def get_output_quantizers(self, layer):
+        return []
+
+    def get_config(self):
+        return {"config": keras.utils.serialize_keras_object(self.config)}
+
+    @classmethod
+    def from_config(cls, config):
+        with _q.quantize_scope():
+            return cls(keras.utils.deserialize_keras_object(config["config"]))
+
+
+CUSTOM_OBJECTS = {"WeightsOnlyQuantizeConfig": WeightsOnlyQuantizeConfig}
+
+_WEIGHTED = ("Conv2D", "DepthwiseConv2D", "Dense")
+
+
+class _LayoutTransform:
+    """TF-MOT's layout transforms, minus one silent loss of weight quantization.
+
+    TF-MOT's LayerReLUQuantize gives any Conv2D/DepthwiseConv2D/Dense followed by a ReLU
+    layer a NoOpQuantizeConfig, meant for Add+ReLU: the weights would then train in
+    float and be quantized post-training (never at 4 bits, never per-tensor). Such
+    layers get their weights quantized here, with the output left to the ReLU.
+    """
+
+    def __init__(self, inner, registry: LayerwiseRegistry):
+        self.inner = inner
+        self.registry = registry
+
+    def apply(self, model, layer_quantize_map):
+        model, quantize_map = self.inner.apply(model, layer_quantize_map)
+        for layer in model.layers:
+            entry = quantize_map.get(layer.name)
+            config = entry.get("quantize_config") if entry else None
+            if (
+                type(config).__name__ == "NoOpQuantizeConfig"
+                and type(layer).__name__ in _WEIGHTED
+                and self.registry.supports(layer)
+            ):
+                entry["quantize_config"] = WeightsOnlyQuantizeConfig(self.registry.get_quantize_config(layer))
+        return model, quantize_map
+
+
 class LayerwiseScheme(_q.QuantizeScheme):
     def __init__(self, settings: QuantSettings):
         self.settings = settings
+        self.registry = LayerwiseRegistry(settings)
 
     def get_layout_transformer(self):
         if self.settings.weight_bits == 8 and self.settings.activation_bits == 8:
-            return _layout8.Default8BitQuantizeLayoutTransform()
-        return _layout_n.DefaultNBitQuantizeLayoutTransform(
-            num_bits_weight=self.settings.weight_bits, num_bits_activation=self.settings.activation_bits
-        )
+            inner = _layout8.Default8BitQuantizeLayoutTransform()
+        else:
+            inner = _layout_n.DefaultNBitQuantizeLayoutTransform(
+                num_bits_weight=self.settings.weight_bits, num_bits_activation=self.settings.activation_bits
+            )
+        return _LayoutTransform(inner, self.registry)
 
     def get_quantize_registry(self):
-        return LayerwiseRegistry(self.settings)
+        return self.registry
 
 
 def quantizable_layer_names(model) -> list[str]:
@@ -194,7 +263,7 @@ def build_qat_model(model, settings: QuantSettings, only_layers: set[str] | None
         raise UnsupportedLayerError(f"TF-MOT cannot annotate model {model.name!r}: {str(exc).splitlines()[0]}") from exc
     annotated.set_weights(model.get_weights())
     try:
-        with _q.quantize_scope():
+        with _q.quantize_scope(CUSTOM_OBJECTS):
             qat = _q.quantize_apply(annotated, scheme=LayerwiseScheme(settings))
     except RuntimeError as exc:
         match = _UNSUPPORTED.search(str(exc))
@@ -214,7 +283,10 @@ def set_symmetric_activations(qat_model) -> int:
     """Make every activation quantizer symmetric (zero point 0); returns how many changed.
 
     TF-MOT's activation quantizers take ``symmetric`` as a plain attribute read when the
-    graph is traced, so switching it before the first fit/convert is enough.
+    graph is traced, so switching it before the first fit/convert is enough. The model's
+    input quantizer stays asymmetric: with a symmetric one the converter re-quantizes the
+    int8 input through float (DEQUANTIZE -> QUANTIZE), and the model is no longer
+    integer-only.
     """
     changed = 0
     seen = set()
@@ -223,8 +295,6 @@ def set_symmetric_activations(qat_model) -> int:
         if isinstance(layer, QuantizeWrapper):
             candidates += [a.quantizer for a in getattr(layer, "_quantize_activations", [])]
             candidates += list(getattr(layer, "_output_quantizers", []) or [])
-        if hasattr(layer, "quantizer"):  # QuantizeLayer at the inputs
-            candidates.append(layer.quantizer)
         for quantizer in candidates:
             if id(quantizer) in seen:
                 continue
@@ -250,6 +320,9 @@ def copy_float_weights(qat_model, float_model) -> None:
         source = by_name.get(f"quant_{layer.name}", by_name.get(layer.name))
         if source is None:
             raise RuntimeError(f"layer {layer.name} has no counterpart in the QAT model")
+        if not isinstance(source, QuantizeWrapper):  # a layer the stage left float
+            layer.set_weights(source.get_weights())
+            continue
         # Inside a QuantizeWrapper the wrapped layer's variables are tracked by the
         # wrapper, beside the quantizers' own (min/max, optimizer_step): match by name.
         available = {v.name.split("/", 1)[-1]: v for v in source.weights if not v.name.startswith(source.name + "/")}

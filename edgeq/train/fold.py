@@ -1,0 +1,115 @@
+"""Batch-norm folding in Keras: Conv/Depthwise/Dense + BatchNormalization -> one layer.
+
+TF-MOT's own scheme keeps BN during QAT and leaves the fold to the converter, which is
+right for per-channel weights. With per-tensor weights the converter folds BN's
+per-channel scale into weights already quantized with one scale, and the model it
+writes is wrong (tensorflow/model-optimization#865, #1131). Folding first, in Keras,
+makes the fake-quantized weights the very weights that get deployed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeq.compat import keras, tf
+
+_FOLDABLE = ("Conv2D", "DepthwiseConv2D", "Dense", "Conv1D")
+
+
+def _inbound(layer):
+    nodes = layer._inbound_nodes  # noqa: SLF001 - the functional graph has no public walker
+    if len(nodes) != 1:
+        raise ValueError(f"layer {layer.name!r} is used {len(nodes)} times; folding needs each layer used once")
+    return nodes[0]
+
+
+def foldable_pairs(model) -> dict[str, str]:
+    """{bn layer name: producer layer name} for every BN that can be folded."""
+    pairs = {}
+    for layer in model.layers:
+        if type(layer).__name__ != "BatchNormalization":
+            continue
+        node = _inbound(layer)
+        producers = node.inbound_layers if isinstance(node.inbound_layers, list) else [node.inbound_layers]
+        if len(producers) != 1:
+            continue
+        producer = producers[0]
+        axis = list(np.atleast_1d(layer.axis))
+        rank = len(layer.input_shape)
+        if type(producer).__name__ not in _FOLDABLE or axis not in ([-1], [rank - 1]):
+            continue
+        if len(producer._outbound_nodes) != 1 or getattr(producer, "activation", None) not in (  # noqa: SLF001
+            None, keras.activations.linear
+        ):
+            continue
+        pairs[layer.name] = producer.name
+    return pairs
+
+
+def _folded_weights(producer, bn):
+    weights = producer.get_weights()
+    kernel = weights[0]
+    bias = weights[1] if producer.use_bias else np.zeros(bn.moving_mean.shape, kernel.dtype)
+    gamma = bn.gamma.numpy() if bn.scale else np.ones(bn.moving_mean.shape, kernel.dtype)
+    beta = bn.beta.numpy() if bn.center else np.zeros(bn.moving_mean.shape, kernel.dtype)
+    mean, var = bn.moving_mean.numpy(), bn.moving_variance.numpy()
+    scale = gamma / np.sqrt(var + bn.epsilon)
+    if type(producer).__name__ == "DepthwiseConv2D":
+        kernel = kernel * scale.reshape(kernel.shape[2], kernel.shape[3])
+    else:
+        kernel = kernel * scale  # last axis is the output channel
+    if type(producer).__name__ == "DepthwiseConv2D" and producer.use_bias:
+        bias = weights[1]
+    return [kernel.astype(np.float32), ((bias - mean) * scale + beta).astype(np.float32)]
+
+
+def fold_batchnorm(model):
+    """A new functional model with every foldable BN folded into the layer before it.
+
+    Outputs match the original to float rounding (inference mode). Returns the model
+    unchanged in structure when there is nothing to fold.
+    """
+    pairs = foldable_pairs(model)
+    if not pairs:
+        return model
+    producers = set(pairs.values())
+    by_name = {layer.name: layer for layer in model.layers}
+    folded_bn_of = {producer: bn for bn, producer in pairs.items()}
+    mapped: dict[int, object] = {}
+    new_inputs = []
+    for tensor in model.inputs:
+        fresh = keras.Input(shape=tensor.shape[1:], dtype=tensor.dtype, name=tensor.name.split(":")[0])
+        mapped[id(tensor)] = fresh
+        new_inputs.append(fresh)
+
+    def lookup(t):
+        return mapped[id(t)] if id(t) in mapped else t
+
+    new_layers = {}
+    for layer in model.layers:
+        if type(layer).__name__ == "InputLayer":
+            continue
+        node = _inbound(layer)
+        if layer.name in pairs:  # BN: its output is the folded producer's output
+            mapped[id(node.outputs if not isinstance(node.outputs, list) else node.outputs[0])] = lookup(
+                node.keras_inputs[0]
+            )
+            continue
+        config = layer.get_config()
+        if layer.name in producers:
+            config["use_bias"] = True
+        clone = layer.__class__.from_config(config)
+        args = tf.nest.map_structure(lookup, node.call_args)
+        kwargs = tf.nest.map_structure(lookup, node.call_kwargs)
+        outputs = clone(*args, **kwargs)
+        new_layers[layer.name] = clone
+        for old, new in zip(tf.nest.flatten(node.outputs), tf.nest.flatten(outputs)):
+            mapped[id(old)] = new
+    new_outputs = [mapped[id(t)] for t in model.outputs]
+    folded = keras.Model(new_inputs, new_outputs if len(new_outputs) > 1 else new_outputs[0], name=model.name)
+    for name, clone in new_layers.items():
+        if name in producers:
+            clone.set_weights(_folded_weights(by_name[name], by_name[folded_bn_of[name]]))
+        else:
+            clone.set_weights(by_name[name].get_weights())
+    return folded

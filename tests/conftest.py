@@ -1,0 +1,74 @@
+"""Shared fixtures: one real digits-cnn training run (FP32 + QAT) for the whole session.
+
+Everything is real: TensorFlow, TF-MOT, the TFLite converter and the LiteRT interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("EDGEQ_SLOW") or config.getoption("-m"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with EDGEQ_SLOW=1 (make test-all) or -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory):
+    """digits-cnn trained as the recipe says: FP32 then 8-bit QAT."""
+    from edgeq.train.fit import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("digits") / "run"
+    return train(TrainConfig(model="digits-cnn", out_dir=str(out), data="digits"))
+
+
+@pytest.fixture(scope="session")
+def digits_int8(digits_run):
+    """The QAT model converted with --int8-only."""
+    from edgeq.convert import convert
+
+    return convert(digits_run.qat_model, digits_run.out_dir / "digits_int8.tflite", mode="int8-only")
+
+
+@pytest.fixture
+def cli():
+    """Invoke `edgeq ...` in-process; returns click's Result (exit_code, stdout, stderr)."""
+    from click.testing import CliRunner
+
+    from edgeq.cli import cli as group
+
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(group, [str(a) for a in args], catch_exceptions=False)
+
+    return invoke
+
+
+def assert_one_line_error(result, *fragments):
+    """A user error: non-zero exit, one `error:` line naming what is wrong, no traceback."""
+    assert result.exit_code != 0, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def python():
+    return sys.executable

@@ -1,0 +1,118 @@
+"""edgeq convert: one mode table, every conversion verified, no file left on failure."""
+
+import json
+
+import numpy as np
+import pytest
+
+from edgeq.commands.convert import MODE_FLAGS
+from edgeq.compat import keras, tf
+from edgeq.convert import MODES, Mode, convert
+from edgeq.errors import IntegerOnlyError, UsageError
+from edgeq.runtime.interpreter import TFLiteModel
+from tests.conftest import assert_one_line_error
+
+
+def test_cli_flags_are_the_mode_table():
+    assert list(MODE_FLAGS) == [m.value for m in MODES]
+    assert all(MODE_FLAGS[m.value] == spec.help for m, spec in MODES.items())
+
+
+EXPECTED = {  # mode: (input dtype, dtypes that must appear among the weights)
+    "fp32": ("float32", {"float32"}),
+    "fp16": ("float32", {"float16"}),
+    "dynamic": ("float32", {"int8"}),
+    "int8": ("float32", {"int8"}),
+    "int8-only": ("int8", {"int8"}),
+    "int16x8": ("float32", {"int16"}),
+}
+
+
+@pytest.mark.parametrize("mode", [m.value for m in Mode])
+def test_every_mode_converts_ptq_and_verifies(digits_run, tmp_path, mode):
+    result = convert(digits_run.fp32_model, tmp_path / f"m_{mode}.tflite", mode=mode, calib="digits",
+                     calib_samples=100)
+    assert result.verification.passed and result.verification.agreement >= 0.95
+    model = TFLiteModel(result.path, use_default_delegates=False)
+    io_dtype, weight_dtypes = EXPECTED[mode]
+    assert model.input.dtype == io_dtype and model.output.dtype == io_dtype
+    dtypes = {np.dtype(d["dtype"]).name for d in model.interpreter.get_tensor_details()}
+    assert weight_dtypes <= dtypes, dtypes
+    assert result.manifest.is_file()
+
+
+def test_per_tensor_ptq_has_one_scale_per_weight_tensor(digits_run, tmp_path):
+    scales = {}
+    for granularity in ("per-channel", "per-tensor"):
+        r = convert(digits_run.fp32_model, tmp_path / f"{granularity}.tflite", mode="int8-only", calib="digits",
+                    granularity=granularity)
+        model = TFLiteModel(r.path, use_default_delegates=False)
+        scales[granularity] = [len(d["quantization_parameters"]["scales"]) for d in model.interpreter.get_tensor_details()
+                               if d["dtype"] == np.int8 and len(d["shape"]) == 4 and d["shape"][0] > 1]
+    assert scales["per-tensor"] == [1, 1, 1]
+    assert sorted(scales["per-channel"]) == [32, 64, 64]
+
+
+def test_uint8_io_for_coral(digits_run, digits_int8, tmp_path):
+    r = convert(digits_run.qat_model, tmp_path / "u8.tflite", mode="int8-only", io_type="uint8")
+    model = TFLiteModel(r.path, use_default_delegates=False)
+    assert model.input.dtype == "uint8" and model.output.dtype == "uint8"
+    assert r.verification.integer_only and r.verification.agreement >= 0.99
+
+
+def test_mobilenetv2_ptq_int8_only_with_synthetic_calibration(tmp_path):
+    from edgeq import zoo
+
+    path = tmp_path / "mnv2.keras"
+    zoo.build("mobilenetv2", (96, 96, 3), 10, alpha=0.35).save(path)
+    r = convert(path, tmp_path / "mnv2_int8.tflite", mode="int8-only", calib="synthetic:96x96x3:10",
+                calib_samples=32)
+    assert r.verification.passed and r.verification.integer_only
+    assert r.ops.get("CONV_2D", 0) > 30 and r.ops.get("DEPTHWISE_CONV_2D", 0) > 10
+    manifest = json.loads(r.manifest.read_text())
+    assert manifest["options"]["calib"] == "synthetic:96x96x3:10"
+
+
+def _float_op_model(path):
+    """A model whose COS op has no integer kernel: the converter silently leaves it in float."""
+    L = keras.layers
+    inputs = L.Input((8, 8, 1))
+    h = L.Conv2D(4, 3, name="conv")(inputs)
+    h = tf.math.cos(h)
+    outputs = L.Dense(10, activation="softmax", name="head")(L.Flatten()(h))
+    keras.Model(inputs, outputs).save(path)
+    return path
+
+
+def test_int8_only_refuses_a_model_with_float_ops_and_leaves_nothing(cli, tmp_path):
+    model = _float_op_model(tmp_path / "cos.keras")
+    out = tmp_path / "out" / "cos.tflite"
+    result = cli("convert", model, "--int8-only", "--calib", "digits", "--out", out)
+    line = assert_one_line_error(result, "not integer-only", "COS", "--int8")
+    assert "DEQUANTIZE" in line and "QUANTIZE" in line
+    assert not out.exists() and not (out.parent / "cos.manifest.json").exists()
+    assert not out.parent.exists() or not list(out.parent.iterdir())  # no temp files either
+    # With float fallback allowed the same model converts, and the manifest says what stays float.
+    ok = convert(model, tmp_path / "cos_int8.tflite", mode="int8", calib="digits")
+    assert any(op.startswith("COS") for op in ok.verification.float_ops)
+    assert not ok.verification.integer_only
+
+
+def test_op_without_any_tflite_kernel_is_named(tmp_path):
+    L = keras.layers
+    inputs = L.Input((8, 8, 1))
+    outputs = L.Dense(10)(L.Flatten()(tf.math.erf(L.Conv2D(4, 3)(inputs))))
+    keras.Model(inputs, outputs).save(tmp_path / "erf.keras")
+    with pytest.raises(IntegerOnlyError, match=r"tf\.Erf"):
+        convert(tmp_path / "erf.keras", tmp_path / "erf.tflite", mode="int8-only", calib="digits")
+    assert not (tmp_path / "erf.tflite").exists()
+
+
+def test_ptq_without_calibration_data_says_how_to_give_it(tmp_path):
+    path = tmp_path / "lonely.keras"
+    keras.Sequential([keras.layers.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(3)]).save(path)
+    with pytest.raises(UsageError, match="--calib"):
+        convert(path, tmp_path / "x.tflite", mode="int8-only")
+    # Modes without calibration need no data: verification falls back to random inputs.
+    r = convert(path, tmp_path / "x.tflite", mode="dynamic")
+    assert "random" in r.verification.data

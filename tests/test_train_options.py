@@ -1,0 +1,229 @@
+"""Each QAT option a user can switch on, measured on the real digits model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from edgeq.compat import keras, load_keras_model, tf
+from edgeq.convert import convert
+from edgeq.data import load_dataset
+from edgeq.runtime.interpreter import TFLiteModel
+from edgeq.train.fit import TrainConfig, _compile, train
+from tests.conftest import assert_one_line_error
+
+
+@pytest.fixture(scope="module")
+def w4_run(digits_run, tmp_path_factory):
+    """4-bit-weight QAT fine-tuned from the trained FP32 digits model."""
+    out = tmp_path_factory.mktemp("w4") / "run"
+    return train(TrainConfig(model=str(digits_run.fp32_model), data="digits", out_dir=str(out), epochs=0,
+                             qat_epochs=4, weight_bits=4))
+
+
+def _per_channel_levels(kernel, lo, hi, bits):
+    q = tf.quantization.fake_quant_with_min_max_vars_per_channel(
+        tf.reshape(kernel, (-1, kernel.shape[-1])), lo, hi, num_bits=bits, narrow_range=True
+    ).numpy()
+    return max(len(np.unique(q[:, c])) for c in range(q.shape[-1]))
+
+
+def test_4bit_weights_qat_is_within_2_points_of_fp32_on_keras_and_tflite(digits_run, w4_run, tmp_path):
+    d = load_dataset("digits")
+    fp32_acc = digits_run.stages[0].test_accuracy
+    qat = load_keras_model(w4_run.qat_model)
+    keras_acc = float(np.mean(qat.predict(d.x_test, verbose=0).argmax(1) == d.y_test))
+    assert keras_acc >= fp32_acc - 0.02
+    tfl = convert(w4_run.qat_model, tmp_path / "w4.tflite", mode="int8-only")
+    tflite_acc = float(np.mean(TFLiteModel(tfl.path).predict(d.x_test).argmax(1) == d.y_test))
+    assert tflite_acc >= fp32_acc - 0.02
+    assert tfl.verification.integer_only
+
+
+def test_4bit_weights_take_at_most_16_levels_per_channel(w4_run, tmp_path):
+    qat = load_keras_model(w4_run.qat_model)
+    wrapper = qat.get_layer("quant_conv2")
+    weights = {w.name.split("/")[-1].split(":")[0]: w for w in wrapper.weights}
+    assert _per_channel_levels(weights["kernel"], weights["kernel_min"], weights["kernel_max"], 4) <= 16
+    # ... and in the exported TFLite file, every output channel of every conv kernel.
+    tfl = convert(w4_run.qat_model, tmp_path / "w4.tflite", mode="int8-only")
+    model = TFLiteModel(tfl.path, use_default_delegates=False)
+    checked = 0
+    for detail in model.interpreter.get_tensor_details():
+        if detail["dtype"] == np.int8 and len(detail["shape"]) == 4 and detail["shape"][0] > 1:
+            w = model.interpreter.get_tensor(detail["index"])
+            assert max(len(np.unique(w[c])) for c in range(w.shape[0])) <= 16, detail["name"]
+            checked += 1
+    assert checked == 3
+    # The 8-bit model of the same architecture uses more levels: the check can fail.
+    assert _per_channel_levels(weights["kernel"], weights["kernel_min"], weights["kernel_max"], 8) > 16
+
+
+def test_stepped_schedule_runs_and_reports_each_stage(cli, digits_run, tmp_path):
+    out = tmp_path / "stepped"
+    result = cli("train", digits_run.fp32_model, "--data", "digits", "--epochs", "0", "--qat-epochs", "2",
+                 "--weight-bits", "4", "--schedule", "stepped", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "qat-w8a8" in result.stdout and "qat-w4a8" in result.stdout
+    history = json.loads((out / "history.json").read_text())
+    stages = history["stages"]
+    assert [(s["name"], s["weight_bits"]) for s in stages] == [("qat-w8a8", 8), ("qat-w4a8", 4)]
+    for stage in stages:
+        assert len(stage["epochs"]) == 1 and stage["final"]["test_accuracy"] > 0.9
+
+
+def test_stepped_8bit_quantizes_layer_groups_from_the_input(digits_run, tmp_path):
+    from edgeq.train import schemes
+
+    model = load_keras_model(digits_run.fp32_model)
+    names = schemes.quantizable_layer_names(model)
+    first_half = set(names[: (len(names) + 1) // 2])
+    partial = schemes.build_qat_model(model, schemes.QuantSettings(), only_layers=first_half)
+    wrapped = {layer.name for layer in partial.layers if layer.name.startswith("quant_")}
+    assert "quant_conv1" in wrapped and "quant_bn1" in wrapped
+    assert "quant_conv3" not in wrapped and "quant_logits" not in wrapped
+    result = train(TrainConfig(model=str(digits_run.fp32_model), data="digits", out_dir=str(tmp_path / "s8"),
+                               epochs=0, qat_epochs=2, schedule="stepped"))
+    assert [s.name for s in result.stages] == ["qat-input-half", "qat-w8a8"]
+
+
+def test_per_tensor_symmetric_qat_exports_one_scale_per_weight_and_zero_points_of_zero(digits_run, tmp_path):
+    run = train(TrainConfig(model=str(digits_run.fp32_model), data="digits", out_dir=str(tmp_path / "pt"),
+                            epochs=0, qat_epochs=2, granularity="per-tensor", activations="symmetric"))
+    assert run.stages[-1].test_accuracy > 0.9
+    assert json.loads(run.run.read_text())["quantization"]["batchnorm_folded_before_qat"]
+    tfl = convert(run.qat_model, tmp_path / "pt.tflite", mode="int8-only")
+    # Folding first keeps the per-tensor model faithful (the converter's own fold is not).
+    assert tfl.verification.agreement >= 0.98
+    model = TFLiteModel(tfl.path, use_default_delegates=False)
+    conv_weights = [d for d in model.interpreter.get_tensor_details()
+                    if d["dtype"] == np.int8 and len(d["shape"]) == 4 and d["shape"][0] > 1]
+    assert conv_weights and all(len(d["quantization_parameters"]["scales"]) == 1 for d in conv_weights)
+    conv_outputs = [op for op in model.interpreter._get_ops_details() if op["op_name"] == "CONV_2D"]
+    for op in conv_outputs:
+        detail = model.interpreter._get_tensor_details(op["outputs"][0], 0)
+        assert detail["quantization_parameters"]["zero_points"][0] == 0
+
+
+def test_batchnorm_folding_is_exact_in_fp32_and_leaves_no_bn(digits_run):
+    from edgeq.train.fold import fold_batchnorm
+
+    model = load_keras_model(digits_run.fp32_model)
+    folded = fold_batchnorm(model)
+    assert not [la for la in folded.layers if type(la).__name__ == "BatchNormalization"]
+    assert len(folded.layers) == len(model.layers) - 3
+    x = load_dataset("digits").x_test[:64]
+    a, b = model.predict(x, verbose=0), folded.predict(x, verbose=0)
+    assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a))
+
+
+def test_per_channel_asymmetric_default_differs(digits_int8):
+    model = TFLiteModel(digits_int8.path, use_default_delegates=False)
+    conv_weights = [d for d in model.interpreter.get_tensor_details()
+                    if d["dtype"] == np.int8 and len(d["shape"]) == 4 and d["shape"][0] > 1]
+    assert all(len(d["quantization_parameters"]["scales"]) == d["shape"][0] for d in conv_weights)
+    assert model.input.zero_point == -128  # inputs in [0, 1]: the asymmetric range starts at the bottom
+
+
+def test_gradient_clipping_reaches_the_optimizer_and_the_run_record(digits_run, tmp_path):
+    model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
+    _compile(model, 1e-3, clip_norm=0.5, clip_value=None)
+    assert model.optimizer.clipnorm == 0.5
+    run = train(TrainConfig(model=str(digits_run.fp32_model), data="digits", out_dir=str(tmp_path / "clip"),
+                            epochs=0, qat_epochs=1, clip_norm=1.0, clip_value=0.1))
+    config = json.loads(run.run.read_text())["config"]
+    assert config["clip_norm"] == 1.0 and config["clip_value"] == 0.1
+
+
+def test_layer_config_keeps_layers_float_and_sets_bits_by_name_or_regex(cli, digits_run, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": {"conv3": "float", "re:conv[12]": {"weight_bits": 4}}}))
+    out = tmp_path / "lw"
+    result = cli("train", digits_run.fp32_model, "--data", "digits", "--epochs", "0", "--qat-epochs", "1",
+                 "--layer-config", plan, "--out", out)
+    assert result.exit_code == 0, result.output
+    qat = load_keras_model(out / "qat.h5")
+    names = {layer.name for layer in qat.layers}
+    assert {"conv3", "bn3"} <= names and "quant_conv3" not in names  # float, BN with it
+    assert "quant_conv1" in names and "quant_logits" in names
+    quant = json.loads((out / "run.json").read_text())["quantization"]["layers"]
+    assert quant == {"conv1": {"weight_bits": 4, "activation_bits": 8},
+                     "conv2": {"weight_bits": 4, "activation_bits": 8}, "conv3": {"keep_float": True}}
+
+
+def test_layer_config_naming_a_missing_layer_lists_the_real_names(cli, digits_run, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": {"conv9": "float"}}))
+    result = cli("train", digits_run.fp32_model, "--data", "digits", "--epochs", "0", "--qat-epochs", "1",
+                 "--layer-config", plan, "--out", tmp_path / "x")
+    assert_one_line_error(result, "conv9", "conv1, bn1, relu1")
+
+
+def _save_layernorm_model(path):
+    L = keras.layers
+    inputs = L.Input((8, 8, 1))
+    h = L.Conv2D(8, 3, use_bias=False, name="conv")(inputs)
+    h = L.Flatten(name="flat")(h)
+    h = L.LayerNormalization(name="norm")(h)
+    outputs = L.Dense(10, activation="softmax", name="head")(h)
+    keras.Model(inputs, outputs).save(path)
+
+
+def test_unsupported_layer_is_named_with_its_class_and_the_way_out(cli, tmp_path):
+    model = tmp_path / "ln.keras"
+    _save_layernorm_model(model)
+    out = tmp_path / "run"
+    result = cli("train", model, "--data", "digits", "--epochs", "1", "--qat-epochs", "1", "--out", out)
+    assert_one_line_error(result, "'norm'", "LayerNormalization", "--layer-config")
+    assert not (out / "qat.h5").exists() and not (out / "run.json").exists()
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"layers": {"norm": "float"}}')
+    ok = cli("train", model, "--data", "digits", "--epochs", "1", "--qat-epochs", "1", "--out", out,
+             "--layer-config", plan, "--force")
+    assert ok.exit_code == 0, ok.output
+    assert (out / "qat.h5").is_file()
+
+
+def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "edgeq", "train", "digits-cnn", "--data", "digits", "--epochs", "25",
+           "--qat-epochs", "2", "--out", str(out)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    state = out / "checkpoint" / "state.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if state.exists():
+            try:
+                if json.loads(state.read_text())["epochs_done"] >= 3:
+                    break
+            except ValueError:
+                pass
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("no checkpoint after 120 s")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "--resume" in stderr and "Traceback" not in stderr
+    saved = json.loads(state.read_text())
+    assert saved["stage"] == 0 and 3 <= saved["epochs_done"] < 25
+    assert not (out / "run.json").exists() and not (out / "qat.h5").exists()
+
+    refused = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "--resume" in refused.stderr  # never silently overwritten
+
+    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    history = json.loads((out / "history.json").read_text())
+    epochs = [e["epoch"] for e in history["stages"][0]["epochs"]]
+    assert epochs == list(range(1, 26))  # every epoch once: nothing lost, nothing repeated
+    run = json.loads((out / "run.json").read_text())
+    assert run["resumed_from"][0] == 0 and run["resumed_from"][1] >= saved["epochs_done"]
+    assert run["results"][0]["test_accuracy"] >= 0.97
