@@ -49,8 +49,9 @@ def atomic_path(final: str | os.PathLike, suffix: str | None = None) -> Iterator
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=suffix if suffix is not None else "".join(final.suffixes),
-                               dir=final.parent)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{final.name}.", suffix=suffix if suffix is not None else "".join(final.suffixes), dir=final.parent
+    )
     os.close(fd)
     tmp_path = Path(tmp)
     tmp_path.unlink()  # writers create it themselves; some refuse an existing file

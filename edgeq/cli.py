@@ -23,8 +23,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("edgeq.commands.convert", "convert", "Convert a Keras model to a verified TFLite model."),
     "eval": ("edgeq.commands.eval", "eval_command", "Compare a quantized model with its FP32 reference."),
     "data": ("edgeq.commands.data", "data", "Look at datasets and export splits to .npz for devices."),
-    "profile": ("edgeq.commands.profile", "profile", "Latency, memory and accuracy of a .tflite model (no TensorFlow)."),
-    "inspect": ("edgeq.commands.inspect", "inspect", "Ops, dtypes, quantization and Edge TPU checks of a .tflite file."),
+    "profile": (
+        "edgeq.commands.profile",
+        "profile",
+        "Latency, memory and accuracy of a .tflite model (no TensorFlow).",
+    ),
+    "inspect": (
+        "edgeq.commands.inspect",
+        "inspect",
+        "Ops, dtypes, quantization and Edge TPU checks of a .tflite file.",
+    ),
 }
 
 

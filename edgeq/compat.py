@@ -21,8 +21,7 @@ try:
     import tf_keras as keras  # noqa: E402
 except ImportError as exc:  # pragma: no cover - exercised only on a device install
     raise MissingExtraError(
-        f"this command needs TensorFlow and TF-MOT ({exc.name} is not installed): "
-        'pip install "edgeq[train]"'
+        f'this command needs TensorFlow and TF-MOT ({exc.name} is not installed): pip install "edgeq[train]"'
     ) from exc
 
 logging.getLogger("tensorflow").setLevel(logging.ERROR)

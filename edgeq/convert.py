@@ -51,9 +51,21 @@ class ModeSpec:
 MODES: dict[Mode, ModeSpec] = {
     Mode.FP32: ModeSpec(Mode.FP32, "float32 TFLite, no quantization", "fp32", False, False, False, 40.0),
     Mode.FP16: ModeSpec(Mode.FP16, "float16 weights, float compute", "fp16", False, False, False, 30.0),
-    Mode.DYNAMIC: ModeSpec(Mode.DYNAMIC, "dynamic-range: int8 weights, float activations", "dynamic", False, False, False, 10.0),
-    Mode.INT8: ModeSpec(Mode.INT8, "full integer with float I/O (float fallback allowed)", "int8", True, False, False, 10.0),
-    Mode.INT8_ONLY: ModeSpec(Mode.INT8_ONLY, "integer-only: TFLITE_BUILTINS_INT8, int8 I/O, refuses float ops", "int8_only", True, True, True, 10.0),
+    Mode.DYNAMIC: ModeSpec(
+        Mode.DYNAMIC, "dynamic-range: int8 weights, float activations", "dynamic", False, False, False, 10.0
+    ),
+    Mode.INT8: ModeSpec(
+        Mode.INT8, "full integer with float I/O (float fallback allowed)", "int8", True, False, False, 10.0
+    ),
+    Mode.INT8_ONLY: ModeSpec(
+        Mode.INT8_ONLY,
+        "integer-only: TFLITE_BUILTINS_INT8, int8 I/O, refuses float ops",
+        "int8_only",
+        True,
+        True,
+        True,
+        10.0,
+    ),
     Mode.INT16X8: ModeSpec(Mode.INT16X8, "16-bit activations, 8-bit weights", "int16x8", True, False, False, 15.0),
 }
 
@@ -136,7 +148,10 @@ def _converter(model, spec: ModeSpec, dataset: Dataset | None, samples: int, gra
         converter.representative_dataset = dataset.representative_dataset(samples)
     if granularity == "per-tensor":
         if is_qat:
-            raise UsageError("--granularity applies to post-training quantization; a QAT model keeps its training granularity (edgeq train --granularity)")
+            raise UsageError(
+                "--granularity applies to post-training quantization; a QAT model keeps its training "
+                "granularity (edgeq train --granularity)"
+            )
         converter._experimental_disable_per_channel = True  # noqa: SLF001 - the only switch TFLite offers
     if mode == Mode.INT8_ONLY:
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
@@ -225,7 +240,9 @@ def convert(
     dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
     if spec.calibrate and dataset is None:
         if is_qat:
-            raise UsageError(f"{source_name}: no data to verify the conversion: give --calib SRC (any samples of the input)")
+            raise UsageError(
+                f"{source_name}: no data to verify the conversion: give --calib SRC (any samples of the input)"
+            )
         raise UsageError(
             f"{source_name}: {spec.mode.value} post-training quantization needs a representative dataset: "
             "--calib SRC (e.g. --calib digits or --calib npz:calib.npz)"
@@ -242,7 +259,9 @@ def convert(
     seconds = time.perf_counter() - started
 
     tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
-    verification = _verify(tflite, keras_model, spec, dataset, data_spec, calib_samples, io_type, source_name, min_sqnr_db)
+    verification = _verify(
+        tflite, keras_model, spec, dataset, data_spec, calib_samples, io_type, source_name, min_sqnr_db
+    )
     op_counts = dict(Counter(op.op_name for op in tflite.ops()))
 
     normalization = dataset.normalization if dataset is not None else Normalization()
@@ -262,8 +281,12 @@ def convert(
             "sha256": sha256_file(source_path) if source_path else None,
             "qat": is_qat,
         },
-        "options": {"granularity": granularity, "io_type": io_type if spec.integer_io else "float32",
-                    "calib": data_spec, "calib_samples": calib_samples if spec.calibrate else 0},
+        "options": {
+            "granularity": granularity,
+            "io_type": io_type if spec.integer_io else "float32",
+            "calib": data_spec,
+            "calib_samples": calib_samples if spec.calibrate else 0,
+        },
         "calibration_data_sha256": dataset.fingerprint() if dataset is not None else None,
         "ops": op_counts,
         "verification": asdict(verification),
@@ -295,7 +318,8 @@ def _verify(tflite, keras_model, spec, dataset, data_spec, samples, io_type, sou
     for kind, tensor in (("input", tflite.input), ("output", tflite.output)):
         if tensor.dtype != expected_io:
             raise ConversionError(
-                f"{source_name}: mode {spec.mode.value} promised {expected_io} {kind} but the converter wrote {tensor.dtype}"
+                f"{source_name}: mode {spec.mode.value} promised {expected_io} {kind} "
+                f"but the converter wrote {tensor.dtype}"
             )
     floats = float_ops(tflite)
     if spec.integer_only and floats:
@@ -320,9 +344,16 @@ def _verify(tflite, keras_model, spec, dataset, data_spec, samples, io_type, sou
     threshold = spec.min_sqnr_db if min_sqnr_db is None else float(min_sqnr_db)
     passed = cmp.sqnr_db >= threshold
     verification = Verification(
-        samples=len(x), data=source, agreement=cmp.agreement, max_abs_error=cmp.max_abs_error,
-        mean_abs_error=cmp.mae, sqnr_db=cmp.sqnr_db, min_sqnr_db=threshold, float_ops=tuple(floats),
-        integer_only=not floats, passed=passed,
+        samples=len(x),
+        data=source,
+        agreement=cmp.agreement,
+        max_abs_error=cmp.max_abs_error,
+        mean_abs_error=cmp.mae,
+        sqnr_db=cmp.sqnr_db,
+        min_sqnr_db=threshold,
+        float_ops=tuple(floats),
+        integer_only=not floats,
+        passed=passed,
     )
     if not passed:
         raise ConversionError(

@@ -33,9 +33,7 @@ class Normalization:
     offset: float = 0.0
 
     def apply(self, raw: np.ndarray) -> np.ndarray:
-        return (np.asarray(raw, dtype=np.float32) * np.float32(self.scale) + np.float32(self.offset)).astype(
-            np.float32
-        )
+        return (np.asarray(raw, dtype=np.float32) * np.float32(self.scale) + np.float32(self.offset)).astype(np.float32)
 
     def to_dict(self) -> dict:
         return {"scale": self.scale, "offset": self.offset}
@@ -204,9 +202,13 @@ def load_npz(path: str | Path, labels_required: bool = True) -> Dataset:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
     except Exception as exc:  # numpy raises several types for a bad file
-        raise DataError(f"{path}: not a readable .npz file ({type(exc).__name__}); save it with np.savez(x=..., y=...)")
+        raise DataError(
+            f"{path}: not a readable .npz file ({type(exc).__name__}); save it with np.savez(x=..., y=...)"
+        ) from exc
     if "x" not in arrays:
-        raise DataError(f"{path}: no array named 'x' (found: {', '.join(arrays) or 'none'}); save with np.savez(x=..., y=...)")
+        raise DataError(
+            f"{path}: no array named 'x' (found: {', '.join(arrays) or 'none'}); save with np.savez(x=..., y=...)"
+        )
     x = arrays["x"]
     if x.ndim < 2:
         raise DataError(f"{path}: 'x' must be (N, ...) samples, got shape {x.shape}")

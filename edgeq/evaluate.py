@@ -129,11 +129,24 @@ def evaluate(
     drop = round((ref_acc - acc) * 100.0, 4)
     size = model.stat().st_size
     result = EvalResult(
-        model=str(model), reference=str(reference), data=f"{data} ({split})", samples=len(x),
-        accuracy=acc, reference_accuracy=ref_acc, drop_pp=drop, agreement=cmp.agreement, mae=cmp.mae, mse=cmp.mse,
-        max_abs_error=cmp.max_abs_error, sqnr_db=cmp.sqnr_db, cosine=cmp.cosine, size_bytes=size,
-        reference_size_bytes=ref_size, size_ratio=size / ref_size if ref_size else float("nan"),
-        model_dtype=quantized.input.dtype, max_drop_pp=max_drop_pp,
+        model=str(model),
+        reference=str(reference),
+        data=f"{data} ({split})",
+        samples=len(x),
+        accuracy=acc,
+        reference_accuracy=ref_acc,
+        drop_pp=drop,
+        agreement=cmp.agreement,
+        mae=cmp.mae,
+        mse=cmp.mse,
+        max_abs_error=cmp.max_abs_error,
+        sqnr_db=cmp.sqnr_db,
+        cosine=cmp.cosine,
+        size_bytes=size,
+        reference_size_bytes=ref_size,
+        size_ratio=size / ref_size if ref_size else float("nan"),
+        model_dtype=quantized.input.dtype,
+        max_drop_pp=max_drop_pp,
         passed=max_drop_pp is None or drop <= max_drop_pp,
     )
     return result

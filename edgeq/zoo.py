@@ -6,11 +6,12 @@ quantize: convolutions without bias before BatchNormalization, ReLU/ReLU6 layers
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
+
+import tomllib
 
 from edgeq.errors import UsageError
 

@@ -30,8 +30,7 @@ EXPECTED = {  # mode: (input dtype, dtypes that must appear among the weights)
 
 @pytest.mark.parametrize("mode", [m.value for m in Mode])
 def test_every_mode_converts_ptq_and_verifies(digits_run, tmp_path, mode):
-    result = convert(digits_run.fp32_model, tmp_path / f"m_{mode}.tflite", mode=mode, calib="digits",
-                     calib_samples=100)
+    result = convert(digits_run.fp32_model, tmp_path / f"m_{mode}.tflite", mode=mode, calib="digits", calib_samples=100)
     assert result.verification.passed and result.verification.agreement >= 0.95
     model = TFLiteModel(result.path, use_default_delegates=False)
     io_dtype, weight_dtypes = EXPECTED[mode]
@@ -44,11 +43,19 @@ def test_every_mode_converts_ptq_and_verifies(digits_run, tmp_path, mode):
 def test_per_tensor_ptq_has_one_scale_per_weight_tensor(digits_run, tmp_path):
     scales = {}
     for granularity in ("per-channel", "per-tensor"):
-        r = convert(digits_run.fp32_model, tmp_path / f"{granularity}.tflite", mode="int8-only", calib="digits",
-                    granularity=granularity)
+        r = convert(
+            digits_run.fp32_model,
+            tmp_path / f"{granularity}.tflite",
+            mode="int8-only",
+            calib="digits",
+            granularity=granularity,
+        )
         model = TFLiteModel(r.path, use_default_delegates=False)
-        scales[granularity] = [len(d["quantization_parameters"]["scales"]) for d in model.interpreter.get_tensor_details()
-                               if d["dtype"] == np.int8 and len(d["shape"]) == 4 and d["shape"][0] > 1]
+        scales[granularity] = [
+            len(d["quantization_parameters"]["scales"])
+            for d in model.interpreter.get_tensor_details()
+            if d["dtype"] == np.int8 and len(d["shape"]) == 4 and d["shape"][0] > 1
+        ]
     assert scales["per-tensor"] == [1, 1, 1]
     assert sorted(scales["per-channel"]) == [32, 64, 64]
 
@@ -65,8 +72,7 @@ def test_mobilenetv2_ptq_int8_only_with_synthetic_calibration(tmp_path):
 
     path = tmp_path / "mnv2.keras"
     zoo.build("mobilenetv2", (96, 96, 3), 10, alpha=0.35).save(path)
-    r = convert(path, tmp_path / "mnv2_int8.tflite", mode="int8-only", calib="synthetic:96x96x3:10",
-                calib_samples=32)
+    r = convert(path, tmp_path / "mnv2_int8.tflite", mode="int8-only", calib="synthetic:96x96x3:10", calib_samples=32)
     assert r.verification.passed and r.verification.integer_only
     assert r.ops.get("CONV_2D", 0) > 30 and r.ops.get("DEPTHWISE_CONV_2D", 0) > 10
     manifest = json.loads(r.manifest.read_text())

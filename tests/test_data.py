@@ -11,7 +11,7 @@ def test_digits_is_real_and_split_is_fixed_and_stratified():
     assert len(a.x_train) + len(a.x_val) + len(a.x_test) == 1797
     assert a.fingerprint() == b.fingerprint()
     assert set(np.unique(a.y_test)) == set(range(10))  # every class in test
-    assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0  # 0..16 scaled by 1/16
+    assert a.x_train.min() >= 0.0 and a.x_train.max() <= 1.0  # 0..16 scaled by 1/16
     assert a.normalization.scale == pytest.approx(1 / 16)
 
 

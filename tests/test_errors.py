@@ -11,9 +11,11 @@ def _listing(folder):
 
 
 def test_missing_model_file(cli, tmp_path):
-    for args in (("train", tmp_path / "nope.keras", "--data", "digits", "--out", tmp_path / "o"),
-                 ("convert", tmp_path / "nope.keras", "--int8-only", "--calib", "digits"),
-                 ("eval", tmp_path / "nope.tflite", "--reference", tmp_path / "nope.keras", "--data", "digits")):
+    for args in (
+        ("train", tmp_path / "nope.keras", "--data", "digits", "--out", tmp_path / "o"),
+        ("convert", tmp_path / "nope.keras", "--int8-only", "--calib", "digits"),
+        ("eval", tmp_path / "nope.tflite", "--reference", tmp_path / "nope.keras", "--data", "digits"),
+    ):
         assert_one_line_error(cli(*args), "nope")
     assert not (tmp_path / "o").exists()
 
@@ -22,8 +24,9 @@ def test_file_that_is_not_a_model(cli, tmp_path):
     junk = tmp_path / "junk.keras"
     junk.write_bytes(b"this is not a model")
     out = tmp_path / "junk.tflite"
-    assert_one_line_error(cli("convert", junk, "--int8-only", "--calib", "digits", "--out", out), "junk.keras",
-                          "not a Keras 2 model")
+    assert_one_line_error(
+        cli("convert", junk, "--int8-only", "--calib", "digits", "--out", out), "junk.keras", "not a Keras 2 model"
+    )
     assert not out.exists()
     assert_one_line_error(cli("train", junk, "--data", "digits", "--out", tmp_path / "t"), "junk.keras")
 
@@ -63,10 +66,13 @@ def test_finished_run_is_not_overwritten_without_force(cli, digits_run):
     assert digits_run.qat_model.is_file()
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (("--weight-bits", "9"), "--weight-bits"),
-    (("--schedule", "nosuch.json"), "nosuch.json"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("--weight-bits", "9"), "--weight-bits"),
+        (("--schedule", "nosuch.json"), "nosuch.json"),
+    ],
+)
 def test_bad_options(cli, tmp_path, args, fragment):
     result = cli("train", "digits-cnn", "--out", tmp_path / "t", *args)
     assert result.exit_code != 0

@@ -73,16 +73,34 @@ def test_manifest_records_mode_io_hashes_and_verification(digits_run, digits_int
 
 def test_eval_cli_table_json_and_max_drop_gate(cli, digits_run, digits_int8, tmp_path):
     out = tmp_path / "eval.json"
-    ok = cli("eval", digits_int8.path, "--reference", digits_run.fp32_model, "--data", "digits", "--json", out,
-             "--max-drop", "0.5")
+    ok = cli(
+        "eval",
+        digits_int8.path,
+        "--reference",
+        digits_run.fp32_model,
+        "--data",
+        "digits",
+        "--json",
+        out,
+        "--max-drop",
+        "0.5",
+    )
     assert ok.exit_code == 0, ok.output
     assert "top-1 agreement" in ok.stdout and "SQNR" in ok.stdout
     data = json.loads(out.read_text())
-    for key in ("accuracy", "reference_accuracy", "drop_pp", "agreement", "mae", "mse", "sqnr_db", "cosine",
-                "size_ratio"):
+    for key in (
+        "accuracy",
+        "reference_accuracy",
+        "drop_pp",
+        "agreement",
+        "mae",
+        "mse",
+        "sqnr_db",
+        "cosine",
+        "size_ratio",
+    ):
         assert key in data
     # A gate that the model cannot meet: a negative budget demands the int8 model beat FP32 by 5 points.
-    gated = cli("eval", digits_int8.path, "--reference", digits_run.fp32_model, "--data", "digits",
-                "--max-drop", "-5")
+    gated = cli("eval", digits_int8.path, "--reference", digits_run.fp32_model, "--data", "digits", "--max-drop", "-5")
     assert gated.exit_code == 4
     assert "exceeds --max-drop" in gated.stderr

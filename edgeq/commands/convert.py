@@ -30,10 +30,20 @@ def _mode_options(func):
 @click.option("--out", type=click.Path(dir_okay=False), help="Output .tflite (default: MODEL_<mode>.tflite).")
 @click.option("--calib", help="Representative data for PTQ: digits | synthetic:... | npz:PATH | images:DIR.")
 @click.option("--calib-samples", type=click.IntRange(min=1), default=200, show_default=True)
-@click.option("--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True,
-              help="Weight quantization granularity for PTQ.")
-@click.option("--io-type", type=click.Choice(["int8", "uint8"]), default="int8", show_default=True,
-              help="Input/output type with --int8-only (uint8 for Coral).")
+@click.option(
+    "--granularity",
+    type=click.Choice(["per-channel", "per-tensor"]),
+    default="per-channel",
+    show_default=True,
+    help="Weight quantization granularity for PTQ.",
+)
+@click.option(
+    "--io-type",
+    type=click.Choice(["int8", "uint8"]),
+    default="int8",
+    show_default=True,
+    help="Input/output type with --int8-only (uint8 for Coral).",
+)
 @click.option("--min-sqnr", type=float, help="Verification threshold in dB (default: per mode).")
 @click.option("--json", "json_out", is_flag=True, help="Print the result as JSON.")
 def convert(model, mode, out, calib, calib_samples, granularity, io_type, min_sqnr, json_out):
@@ -49,11 +59,24 @@ def convert(model, mode, out, calib, calib_samples, granularity, io_type, min_sq
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
         return
     v = result.verification
-    click.echo(table(
-        ["model", "mode", "size", "input", "output", "integer-only", "agreement", "SQNR dB", "verified"],
-        [(result.path, result.mode, f"{result.size_bytes / 1024:.1f} KiB", result.input["dtype"],
-          result.output["dtype"], v.integer_only, f"{v.agreement:.2%}", f"{v.sqnr_db:.1f}", v.passed)],
-    ))
+    click.echo(
+        table(
+            ["model", "mode", "size", "input", "output", "integer-only", "agreement", "SQNR dB", "verified"],
+            [
+                (
+                    result.path,
+                    result.mode,
+                    f"{result.size_bytes / 1024:.1f} KiB",
+                    result.input["dtype"],
+                    result.output["dtype"],
+                    v.integer_only,
+                    f"{v.agreement:.2%}",
+                    f"{v.sqnr_db:.1f}",
+                    v.passed,
+                )
+            ],
+        )
+    )
     for note in result.notes:
         click.echo(f"note: {note}")
     click.echo(f"manifest: {result.manifest}")

@@ -13,7 +13,9 @@ from edgeq.commands._format import table
 @click.option("--data", required=True, help="digits | synthetic:... | npz:PATH | images:DIR")
 @click.option("--split", type=click.Choice(["test", "val", "train"]), default="test", show_default=True)
 @click.option("--max-drop", "max_drop", type=float, help="Exit non-zero if accuracy drops by more than PP points.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the result as JSON ('-': stdout).")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), help="Also write the result as JSON ('-': stdout)."
+)
 def eval_command(model, reference, data, split, max_drop, json_path):
     """Accuracy of MODEL and REFERENCE, drop, agreement, MAE, MSE, SQNR, cosine and size."""
     import json

@@ -37,15 +37,25 @@ def _model_options(values: tuple[str, ...]) -> dict:
 @click.option("--qat-lr", "qat_learning_rate", type=float, help="QAT learning rate.")
 @click.option("--weight-bits", type=click.IntRange(2, 8), default=8, show_default=True)
 @click.option("--activation-bits", type=click.Choice(["8", "16"]), default="8", show_default=True)
-@click.option("--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True)
+@click.option(
+    "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
+)
 @click.option("--activations", type=click.Choice(["asymmetric", "symmetric"]), default="asymmetric", show_default=True)
 @click.option("--clip-norm", type=click.FloatRange(min=0, min_open=True), help="Clip each gradient's norm during QAT.")
 @click.option("--clip-value", type=click.FloatRange(min=0, min_open=True), help="Clip gradient values during QAT.")
 @click.option("--schedule", default="default", show_default=True, help="default | stepped | a JSON/TOML stage file.")
-@click.option("--layer-config", type=click.Path(), help="Layer-wise bits / keep-float (JSON or TOML, names or re:REGEX).")
-@click.option("--fold-bn/--no-fold-bn", "fold_bn", default=None,
-              help="Fold BatchNormalization into the conv/dense before QAT (default: only with per-tensor).")
-@click.option("-o", "--model-option", "model_options", multiple=True, help="Reference-model option KEY=VALUE (e.g. alpha=0.5).")
+@click.option(
+    "--layer-config", type=click.Path(), help="Layer-wise bits / keep-float (JSON or TOML, names or re:REGEX)."
+)
+@click.option(
+    "--fold-bn/--no-fold-bn",
+    "fold_bn",
+    default=None,
+    help="Fold BatchNormalization into the conv/dense before QAT (default: only with per-tensor).",
+)
+@click.option(
+    "-o", "--model-option", "model_options", multiple=True, help="Reference-model option KEY=VALUE (e.g. alpha=0.5)."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue the unfinished run in --out (its saved options are used).")
 @click.option("--force", is_flag=True, help="Overwrite a run already in --out.")
@@ -57,13 +67,23 @@ def train(model, out_dir, resume, force, model_options, activation_bits, **optio
     from edgeq.train.fit import train as run_training
 
     config = TrainConfig(
-        model=model, out_dir=out_dir, activation_bits=int(activation_bits),
-        model_options=_model_options(model_options), **options,
+        model=model,
+        out_dir=out_dir,
+        activation_bits=int(activation_bits),
+        model_options=_model_options(model_options),
+        **options,
     )
     result = run_training(config, resume=resume, force=force, progress=True)
     rows = [
-        (s.name, s.kind, s.epochs, f"w{s.weight_bits}a{s.activation_bits}" if s.kind == "qat" else "fp32",
-         f"{s.val_accuracy:.2%}", f"{s.test_accuracy:.2%}", f"{s.seconds:.1f}")
+        (
+            s.name,
+            s.kind,
+            s.epochs,
+            f"w{s.weight_bits}a{s.activation_bits}" if s.kind == "qat" else "fp32",
+            f"{s.val_accuracy:.2%}",
+            f"{s.test_accuracy:.2%}",
+            f"{s.seconds:.1f}",
+        )
         for s in result.stages
     ]
     click.echo(table(["stage", "kind", "epochs", "precision", "val acc", "test acc", "seconds"], rows))

@@ -49,9 +49,14 @@ def backend_names() -> list[str]:
 def _import_backend(backend: Backend):
     try:
         return importlib.import_module(backend.module)
-    except ImportError as exc:
+    except (ImportError, AttributeError) as exc:
+        # tflite-runtime is built against NumPy 1.x: under numpy 2 its import fails
+        # ("_ARRAY_API not found"), which is a reason to fall through to the next backend.
+        hint = " (it needs numpy<2)" if backend.name == "tflite_runtime" and np.__version__[0] != "1" else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RuntimeBackendError(
-            f"runtime {backend.name!r} cannot be imported ({exc}); install it: pip install {backend.distribution}"
+            f"runtime {backend.name!r} cannot be imported ({first}); install it: pip install {backend.distribution}"
+            + hint
         ) from exc
 
 
@@ -220,6 +225,12 @@ class TFLiteModel:
             self.delegate_name = "custom"
         if self.description is not None:
             self._check_custom_ops(self.description, where)
+            if self.delegate_name == "edgetpu" and not self.description.edgetpu_compiled:
+                log.warning(
+                    "%s is not compiled for the Edge TPU (no edgetpu-custom-op): it runs on the CPU; "
+                    "compile it with edgetpu_compiler first (deploy/CORAL.md)",
+                    where,
+                )
         kwargs: dict[str, Any] = {"model_content": model_content}
         if num_threads:
             kwargs["num_threads"] = int(num_threads)
@@ -231,16 +242,17 @@ class TFLiteModel:
             with native_stderr_to_log():
                 self.interpreter = module.Interpreter(**kwargs)
                 self.interpreter.allocate_tensors()
-        except (ValueError, RuntimeError) as exc:
+            self.inputs = [_tensor_info(d) for d in self.interpreter.get_input_details()]
+            self.outputs = [_tensor_info(d) for d in self.interpreter.get_output_details()]
+        except (ValueError, RuntimeError, TypeError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(f"{where}: the interpreter cannot load it: {first}") from exc
-        self.inputs = [_tensor_info(d) for d in self.interpreter.get_input_details()]
-        self.outputs = [_tensor_info(d) for d in self.interpreter.get_output_details()]
+        self._where = where
 
     def _check_custom_ops(self, desc: ModelDesc, where: str) -> None:
         """Name the custom ops this runtime lacks before the interpreter fails on them."""
         custom = desc.custom_ops()
-        if EDGETPU_CUSTOM_OP in custom and self.delegate_name != "edgetpu":
+        if EDGETPU_CUSTOM_OP in custom and self.delegate_name in ("xnnpack", "none"):
             raise ModelLoadError(
                 f"{where}: compiled for the Coral Edge TPU ({EDGETPU_CUSTOM_OP}); "
                 "run it with --delegate edgetpu on a device with an Edge TPU, or profile the uncompiled model"
@@ -271,9 +283,13 @@ class TFLiteModel:
 
     def invoke_raw(self, x_quantized: np.ndarray) -> np.ndarray:
         """Run one batch already in the input's dtype; return the raw first output."""
-        self.interpreter.set_tensor(self.input.index, x_quantized)
-        self.interpreter.invoke()
-        return self.interpreter.get_tensor(self.output.index)
+        try:
+            self.interpreter.set_tensor(self.input.index, x_quantized)
+            self.interpreter.invoke()
+            return self.interpreter.get_tensor(self.output.index)
+        except (ValueError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"{getattr(self, '_where', 'model')}: the interpreter cannot run it: {first}") from exc
 
     def predict(self, x: np.ndarray, batch_size: int = 1) -> np.ndarray:
         """Float inputs (N, ...) -> dequantized float first output (N, ...)."""

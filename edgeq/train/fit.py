@@ -24,7 +24,7 @@ import numpy as np
 
 from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_atomic
 from edgeq.compat import keras, load_keras_model
-from edgeq.data import Dataset, load_dataset
+from edgeq.data import load_dataset
 from edgeq.errors import DataError, ModelLoadError, TrainingInterrupted, UsageError
 from edgeq.train import schemes
 from edgeq.train.fold import fold_batchnorm
@@ -157,9 +157,7 @@ class _Run:
         self.ckpt = out_dir / "checkpoint"
         self.stages = stages
         self.config = config
-        self.history: list[dict] = [
-            {**s.to_dict(), "epochs": [], "final": None} for s in stages
-        ]
+        self.history: list[dict] = [{**s.to_dict(), "epochs": [], "final": None} for s in stages]
 
     def save_checkpoint(self, model, stage_index: int, epochs_done: int) -> None:
         self.ckpt.mkdir(parents=True, exist_ok=True)
@@ -167,7 +165,12 @@ class _Run:
             model.save_weights(str(tmp))
         write_json_atomic(
             self.ckpt / "state.json",
-            {"stage": stage_index, "epochs_done": epochs_done, "history": self.history, "config": self.config.to_dict()},
+            {
+                "stage": stage_index,
+                "epochs_done": epochs_done,
+                "history": self.history,
+                "config": self.config.to_dict(),
+            },
         )
         write_json_atomic(self.out_dir / "history.json", {"stages": self.history})
 
@@ -342,8 +345,14 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
             val_acc = _accuracy(stage_model, dataset.x_val, dataset.y_val)
             test_acc = _accuracy(stage_model, dataset.x_test, dataset.y_test)
             result = StageResult(
-                stage.name, stage.kind, stage.epochs, stage.weight_bits, stage.activation_bits,
-                val_acc, test_acc, round(time.perf_counter() - t0, 3),
+                stage.name,
+                stage.kind,
+                stage.epochs,
+                stage.weight_bits,
+                stage.activation_bits,
+                val_acc,
+                test_acc,
+                round(time.perf_counter() - t0, 3),
             )
             results.append(result)
             run.history[index]["final"] = {"val_accuracy": val_acc, "test_accuracy": test_acc}

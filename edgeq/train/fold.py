@@ -39,7 +39,8 @@ def foldable_pairs(model) -> dict[str, str]:
         if type(producer).__name__ not in _FOLDABLE or axis not in ([-1], [rank - 1]):
             continue
         if len(producer._outbound_nodes) != 1 or getattr(producer, "activation", None) not in (  # noqa: SLF001
-            None, keras.activations.linear
+            None,
+            keras.activations.linear,
         ):
             continue
         pairs[layer.name] = producer.name
@@ -83,7 +84,7 @@ def fold_batchnorm(model):
         new_inputs.append(fresh)
 
     def lookup(t):
-        return mapped[id(t)] if id(t) in mapped else t
+        return mapped.get(id(t), t)
 
     new_layers = {}
     for layer in model.layers:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from edgeq.errors import UsageError
 
@@ -62,7 +63,10 @@ class LayerConfig:
             elif isinstance(value, int):
                 value = {"weight_bits": value}
             if not isinstance(value, dict):
-                raise UsageError(f'{path}: layer {key!r}: use "float", a bit width, or a table of weight_bits/activation_bits/keep_float')
+                raise UsageError(
+                    f'{path}: layer {key!r}: use "float", a bit width, '
+                    "or a table of weight_bits/activation_bits/keep_float"
+                )
             unknown = set(value) - {"weight_bits", "activation_bits", "keep_float"}
             if unknown:
                 raise UsageError(f"{path}: layer {key!r}: unknown setting(s) {', '.join(sorted(unknown))}")

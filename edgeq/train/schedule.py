@@ -9,9 +9,10 @@ A JSON/TOML file can list stages by hand.
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import tomllib
 
 from edgeq.errors import UsageError
 

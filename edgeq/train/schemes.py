@@ -306,9 +306,7 @@ def set_symmetric_activations(qat_model) -> int:
 
 
 def is_qat_model(model) -> bool:
-    return any(
-        isinstance(layer, QuantizeWrapper) or type(layer).__name__ == "QuantizeLayer" for layer in model.layers
-    )
+    return any(isinstance(layer, QuantizeWrapper) or type(layer).__name__ == "QuantizeLayer" for layer in model.layers)
 
 
 def copy_float_weights(qat_model, float_model) -> None:

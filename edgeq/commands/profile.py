@@ -1,0 +1,162 @@
+"""``edgeq profile``: latency, memory and accuracy of a .tflite model, without TensorFlow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from edgeq.errors import UsageError
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    """Plain aligned columns: the first left-aligned, the rest right-aligned."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def parse_threads(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise UsageError(f"--threads {text!r}: give thread counts separated by commas, e.g. 1,2,4") from None
+    if not counts or any(c < 1 for c in counts):
+        raise UsageError(f"--threads {text!r}: each count must be at least 1, e.g. 1,2,4")
+    return counts
+
+
+def _ms(value: float) -> str:
+    if value < 1:
+        return f"{value:.4f}"
+    return f"{value:.3f}" if value < 100 else f"{value:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.2f}%"
+
+
+def render(report) -> str:
+    """The report as text for people."""
+    env = report.environment
+    m = report.model.model
+    ops = m.ops
+    by_type = ", ".join(f"{name} x{count}" for name, count in ops.by_type.items())
+    lines = [
+        f"model    {m.path}  {human_bytes(m.size_bytes)}  sha256 {m.sha256[:12]}  "
+        f"integer-only {'yes' if m.integer_only else 'no'}",
+        f"runtime  {env.runtime} {env.runtime_version}, delegate {report.settings.delegate}, numpy {env.numpy_version}",
+        f"cpu      {env.cpu_model}, {env.cores} cores ({env.cores_available} available), "
+        f"governor {env.governor or 'n/a'}",
+        f"ops      {ops.total} (int8 {100 * ops.int8_share:.0f}%, float {100 * ops.float_share:.0f}%): {by_type}",
+        "",
+    ]
+    headers = ["model", "threads", "init ms", "first ms", "mean", "median", "p90", "p99", "std", "min", "max"]
+    headers += ["inf/s", "RSS load MiB", "RSS run MiB"]
+    rows = []
+    profiles = [(Path(m.path).name, report.model)]
+    if report.reference is not None:
+        profiles.append((Path(report.reference.model.path).name + " (ref)", report.reference))
+    for name, prof in profiles:
+        for run in prof.runs:
+            lat = run.latency
+            rows.append(
+                [
+                    name,
+                    str(run.threads),
+                    _ms(run.init_ms),
+                    _ms(run.first_inference_ms),
+                    _ms(lat.mean_ms),
+                    _ms(lat.median_ms),
+                    _ms(lat.p90_ms),
+                    _ms(lat.p99_ms),
+                    _ms(lat.std_ms),
+                    _ms(lat.min_ms),
+                    _ms(lat.max_ms),
+                    f"{lat.throughput_per_s:.1f}",
+                    f"{run.memory.peak_rss_load_mb:.1f}",
+                    f"{run.memory.peak_rss_run_mb:.1f}",
+                ]
+            )
+    lines.append(format_table(headers, rows))
+    runs = report.model.runs[0].latency
+    lines.append(f"(latency in ms over {runs.runs} runs after {runs.warmup} warm-up)")
+    if report.model.accuracy is not None:
+        acc = report.model.accuracy
+        text = f"accuracy {_pct(acc.accuracy)} on {acc.samples} samples" if acc.labelled else "accuracy n/a (no labels)"
+        if report.reference is not None and report.reference.accuracy is not None:
+            text += f", reference {_pct(report.reference.accuracy.accuracy)}"
+        lines += ["", text]
+    if report.agreement is not None:
+        a = report.agreement
+        lines.append(
+            f"vs reference: top-1 agreement {_pct(a.top1_agreement)}, max |error| {a.max_abs_error:.4g}, "
+            f"mean |error| {a.mean_abs_error:.4g}, rmse {a.rmse:.4g}"
+        )
+    if report.comparison:
+        rows = []
+        for c in report.comparison:
+            drop = "n/a" if c.accuracy_drop is None else f"{100 * c.accuracy_drop:+.2f} pt"
+            rows.append([str(c.threads), f"{c.speedup:.2f}x", f"{c.size_ratio:.3f}", drop])
+        lines += ["", format_table(["threads", "speedup", "size ratio", "accuracy drop"], rows)]
+    return "\n".join(lines)
+
+
+@click.command("profile")
+@click.argument("model", metavar="MODEL.tflite")
+@click.option("--compare", metavar="FP32.tflite", help="Reference model: speedup, size ratio, accuracy drop.")
+@click.option("--threads", "threads_text", default="1", show_default=True, help="Thread counts to sweep: 1,2,4.")
+@click.option("--runs", default=50, show_default=True, type=int, help="Timed invocations (at least).")
+@click.option("--warmup", default=5, show_default=True, type=int, help="Untimed invocations first.")
+@click.option("--min-seconds", default=0.0, show_default=True, type=float, help="Keep timing at least this long.")
+@click.option("--data", metavar="FILE.npz", help="Inputs x (and labels y) for accuracy; x[0] is the timed input.")
+@click.option("--labels", metavar="NAME", help="Array of labels in --data (required then); default: y if present.")
+@click.option("--delegate", default="xnnpack", show_default=True, help="xnnpack | none | edgetpu | PATH to a library.")
+@click.option("--runtime", metavar="NAME", help="Force a backend: ai_edge_litert, tflite_runtime, tensorflow.")
+@click.option("--json", "json_out", metavar="OUT", help="Write the full result as JSON here.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on long runs).")
+def profile(
+    model: str,
+    compare: str | None,
+    threads_text: str,
+    runs: int,
+    warmup: int,
+    min_seconds: float,
+    data: str | None,
+    labels: str | None,
+    delegate: str,
+    runtime: str | None,
+    json_out: str | None,
+    progress: bool | None,
+) -> None:
+    """Latency, memory and accuracy of MODEL.tflite on this machine (no TensorFlow)."""
+    from edgeq.runtime.profile import profile_model, report_to_dict, write_json
+
+    report = profile_model(
+        model,
+        compare=compare,
+        threads=parse_threads(threads_text),
+        runs=runs,
+        warmup=warmup,
+        min_seconds=min_seconds,
+        data=data,
+        labels=labels,
+        delegate=delegate,
+        runtime=runtime,
+        progress=progress,
+    )
+    click.echo(render(report))
+    if json_out:
+        path = write_json(report_to_dict(report), json_out)
+        click.echo(f"wrote {path}")

@@ -1,0 +1,132 @@
+"""What a .tflite file holds, from the flatbuffer alone (no interpreter, no TensorFlow)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgeq import __version__
+from edgeq.runtime.edgetpu import EdgeTPUReport, check_edgetpu
+from edgeq.runtime.flatbuffer import (
+    ModelDesc,
+    OpSummary,
+    TensorDesc,
+    bytes_by_dtype,
+    is_integer_only,
+    op_precision,
+    op_summary,
+    read_tflite,
+    tensors_by_dtype,
+)
+
+SCHEMA = "edgeq.inspect/1"
+
+
+@dataclass(frozen=True)
+class TensorView:
+    name: str
+    index: int
+    shape: tuple[int, ...]
+    shape_signature: tuple[int, ...]
+    dtype: str
+    scale: tuple[float, ...]
+    zero_point: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpView:
+    index: int
+    op_type: str
+    precision: str  # int8 | int16 | float | other
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+    fused_activation: str
+
+
+@dataclass(frozen=True)
+class SignatureView:
+    key: str
+    inputs: dict[str, str]  # signature name -> tensor name
+    outputs: dict[str, str]
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    schema: str
+    edgeq_version: str
+    path: str
+    size_bytes: int
+    sha256: str
+    schema_version: int
+    subgraphs: int
+    signatures: tuple[SignatureView, ...]
+    inputs: tuple[TensorView, ...]
+    outputs: tuple[TensorView, ...]
+    ops: tuple[OpView, ...]
+    op_summary: OpSummary
+    custom_ops: tuple[str, ...]
+    tensors_by_dtype: dict[str, int]
+    bytes_by_dtype: dict[str, int]
+    integer_only: bool
+    edgetpu: EdgeTPUReport
+
+
+def _tensor(t: TensorDesc) -> TensorView:
+    return TensorView(t.name, t.index, t.shape, t.shape_signature, t.dtype, t.scale, t.zero_point)
+
+
+def describe(desc: ModelDesc) -> InspectReport:
+    sg = desc.main
+    ops = []
+    for op in sg.operators:
+        ins, outs = desc.op_dtypes(op)
+        ops.append(OpView(op.index, op.op_type, op_precision(desc, op), tuple(ins), tuple(outs), op.fused_activation))
+    signatures = []
+    for sig in desc.signatures:
+        tensors = desc.subgraphs[sig.subgraph].tensors if 0 <= sig.subgraph < len(desc.subgraphs) else ()
+
+        def name(i: int, tensors=tensors) -> str:
+            return tensors[i].name if 0 <= i < len(tensors) else f"#{i}"
+
+        signatures.append(
+            SignatureView(
+                sig.key,
+                {k: name(v) for k, v in sig.inputs.items()},
+                {k: name(v) for k, v in sig.outputs.items()},
+            )
+        )
+    return InspectReport(
+        schema=SCHEMA,
+        edgeq_version=__version__,
+        path=desc.path or "",
+        size_bytes=desc.size_bytes,
+        sha256=desc.sha256,
+        schema_version=desc.schema_version,
+        subgraphs=len(desc.subgraphs),
+        signatures=tuple(signatures),
+        inputs=tuple(_tensor(sg.tensors[i]) for i in sg.inputs),
+        outputs=tuple(_tensor(sg.tensors[i]) for i in sg.outputs),
+        ops=tuple(ops),
+        op_summary=op_summary(desc),
+        custom_ops=tuple(desc.custom_ops()),
+        tensors_by_dtype=tensors_by_dtype(desc),
+        bytes_by_dtype=bytes_by_dtype(desc),
+        integer_only=is_integer_only(desc),
+        edgetpu=check_edgetpu(desc),
+    )
+
+
+def inspect_tflite(path: str | Path) -> InspectReport:
+    """Read, verify and describe the .tflite file at ``path``."""
+    return describe(read_tflite(path))
+
+
+def inspect_to_dict(report: InspectReport) -> dict[str, Any]:
+    data = dataclasses.asdict(report)
+    first = report.edgetpu.first_fallback
+    data["edgetpu"]["first_fallback"] = (
+        None if first is None else {"index": first.index, "op_type": first.op_type, "reasons": list(first.reasons)}
+    )
+    return data

@@ -1,0 +1,697 @@
+"""Measure a .tflite model on this machine: latency, memory, accuracy, against an FP32 twin.
+
+TensorFlow-free: the model runs in the LiteRT interpreter chosen by
+``edgeq.runtime.interpreter``. Everything returned is a frozen dataclass that
+``report_to_dict`` turns into the JSON that ``edgeq profile --json`` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import gc
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq import __version__
+from edgeq.errors import DataError, ModelLoadError, UsageError
+from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
+from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, dequantize, quantize
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "edgeq.profile/1"
+MAX_RUNS = 1_000_000  # a cap for --min-seconds on models that take microseconds
+PROGRESS_AFTER_S = 2.0  # show a progress bar when a loop is expected to take longer
+
+
+# ---------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Where the numbers were measured."""
+
+    cpu_model: str
+    machine: str
+    cores: int
+    cores_available: int
+    governor: str | None
+    temperature_c: float | None
+    os: str
+    python: str
+    numpy_version: str
+    runtime: str
+    runtime_version: str
+    edgeq_version: str
+    hostname: str
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Milliseconds per inference over ``runs`` timed invocations (after warm-up)."""
+
+    runs: int
+    warmup: int
+    total_s: float
+    mean_ms: float
+    median_ms: float
+    p90_ms: float
+    p99_ms: float
+    std_ms: float
+    min_ms: float
+    max_ms: float
+    throughput_per_s: float  # samples per second at the median latency
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Resident memory of this process in MiB (VmHWM is reset before load and before runs)."""
+
+    rss_before_mb: float
+    peak_rss_load_mb: float
+    peak_rss_run_mb: float
+    peak_reset: bool  # False where the high-water mark could not be reset (then it is process-wide)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One model at one thread count."""
+
+    threads: int
+    delegate: str
+    init_ms: float
+    first_inference_ms: float
+    latency: LatencyStats
+    memory: MemoryStats
+
+
+@dataclass(frozen=True)
+class TensorSummary:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    scale: float
+    zero_point: int
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    path: str
+    sha256: str
+    size_bytes: int
+    integer_only: bool
+    inputs: tuple[TensorSummary, ...]
+    outputs: tuple[TensorSummary, ...]
+    ops: OpSummary
+
+
+@dataclass(frozen=True)
+class AccuracyStats:
+    samples: int
+    labelled: bool
+    accuracy: float | None  # top-1 against the labels; None without labels
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    model: ModelFacts
+    runs: tuple[RunResult, ...]
+    accuracy: AccuracyStats | None
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The model's outputs against the reference's on the same data."""
+
+    samples: int
+    top1_agreement: float
+    max_abs_error: float
+    mean_abs_error: float
+    rmse: float
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Model vs reference at one thread count; speedup > 1 and size_ratio < 1 are wins."""
+
+    threads: int
+    speedup: float  # reference median / model median
+    size_ratio: float  # model bytes / reference bytes
+    accuracy_drop: float | None  # reference accuracy - model accuracy
+    top1_agreement: float | None
+    max_abs_error: float | None
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    path: str
+    sha256: str
+    samples: int
+    labels: str | None
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    threads: tuple[int, ...]
+    runs: int
+    warmup: int
+    min_seconds: float
+    delegate: str
+    runtime: str | None
+
+
+@dataclass(frozen=True)
+class ProfileReport:
+    schema: str
+    edgeq_version: str
+    created: str
+    environment: Environment
+    settings: ProfileSettings
+    model: ModelProfile
+    reference: ModelProfile | None
+    agreement: Agreement | None
+    comparison: tuple[Comparison, ...]
+    data: DataInfo | None
+
+
+# ------------------------------------------------------------------ environment
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    """A human name for the CPU: x86 'model name', a Raspberry Pi's board model, or the arch."""
+    board = _read("/sys/firmware/devicetree/base/model")
+    info = _read("/proc/cpuinfo") or ""
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    for key in ("model name", "model", "hardware", "cpu model", "processor"):
+        value = fields.get(key)
+        if value and not value.isdigit():
+            return f"{value} ({board.rstrip(chr(0))})" if board and key != "model" else value
+    if board:
+        return board.rstrip("\x00")
+    part = fields.get("cpu part")
+    return f"{platform.machine()} CPU part {part}" if part else (platform.processor() or platform.machine())
+
+
+def collect_environment(runtime: str, runtime_version: str) -> Environment:
+    try:
+        available = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        available = os.cpu_count() or 1
+    temp = _read("/sys/class/thermal/thermal_zone0/temp")
+    return Environment(
+        cpu_model=cpu_model(),
+        machine=platform.machine(),
+        cores=os.cpu_count() or 1,
+        cores_available=available,
+        governor=_read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"),
+        temperature_c=round(int(temp) / 1000, 1) if temp and temp.lstrip("-").isdigit() else None,
+        os=platform.platform(),
+        python=platform.python_version(),
+        numpy_version=np.__version__,
+        runtime=runtime,
+        runtime_version=runtime_version,
+        edgeq_version=__version__,
+        hostname=platform.node(),
+    )
+
+
+# ----------------------------------------------------------------------- memory
+
+
+def _status_mb(key: str) -> float | None:
+    status = _read("/proc/self/status")
+    if status:
+        for line in status.splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    return None
+
+
+def current_rss_mb() -> float:
+    value = _status_mb("VmRSS")
+    return round(value, 1) if value is not None else peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (VmHWM, else getrusage) in MiB."""
+    value = _status_mb("VmHWM")
+    if value is None:
+        raw = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        value = raw / (1024 * 1024) if sys.platform == "darwin" else raw / 1024
+    return round(value, 1)
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Dataset:
+    x: np.ndarray  # float32, batch first, in the model's float range
+    y: np.ndarray | None  # int64 class ids
+    info: DataInfo
+
+
+def load_npz(path: str | Path, model_input: TensorInfo, labels: str | None = None, inputs: str = "x") -> Dataset:
+    """Load ``x`` (and labels) from an .npz and check that they fit ``model_input``.
+
+    ``x`` may be float (quantized with the model's parameters) or already in the
+    input's integer dtype. Labels are ``labels`` if given (then required), else ``y``
+    if present: class ids (N,) or one-hot (N, classes).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such .npz file")
+    content = path.read_bytes()
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
+    if inputs not in arrays:
+        raise DataError(f"{path}: no array {inputs!r} (it has {', '.join(sorted(arrays)) or 'none'})")
+    x = arrays[inputs]
+    expected = tuple(model_input.shape[1:])
+    if tuple(x.shape) == expected:
+        x = x[None]
+    if x.ndim != len(expected) + 1 or tuple(x.shape[1:]) != expected:
+        raise DataError(
+            f"{path}: {inputs} has shape {tuple(x.shape)} but the model takes (N, {', '.join(map(str, expected))})"
+        )
+    if len(x) == 0:
+        raise DataError(f"{path}: {inputs} is empty")
+    if np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float32)
+        if not np.all(np.isfinite(x)):
+            raise DataError(f"{path}: {inputs} holds NaN or infinite values")
+    elif x.dtype == np.dtype(model_input.dtype):
+        x = dequantize(x, model_input)  # already quantized: dequantize, predict re-quantizes exactly
+    else:
+        raise DataError(
+            f"{path}: {inputs} is {x.dtype}; give float32 in the model's float range "
+            f"or {model_input.dtype} already quantized for the model input"
+        )
+
+    key = labels if labels is not None else ("y" if "y" in arrays else None)
+    y = None
+    if key is not None:
+        if key not in arrays:
+            raise DataError(f"{path}: labels missing: no array {key!r} (it has {', '.join(sorted(arrays))})")
+        y = arrays[key]
+        if y.ndim == 2 and y.shape[1] > 1:  # one-hot
+            y = np.argmax(y, axis=1)
+        y = y.reshape(len(y)) if y.ndim == 2 and y.shape[1] == 1 else y
+        if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+            raise DataError(f"{path}: labels {key!r} must be class ids (N,) or one-hot (N, C), got {y.dtype} {y.shape}")
+        if len(y) != len(x):
+            raise DataError(f"{path}: {len(y)} labels in {key!r} for {len(x)} inputs")
+        if np.issubdtype(y.dtype, np.floating) and not np.all(np.equal(np.mod(y, 1), 0)):
+            raise DataError(f"{path}: labels {key!r} are not whole class ids")
+        y = y.astype(np.int64)
+    info = DataInfo(str(path), hashlib.sha256(content).hexdigest(), int(len(x)), key)
+    return Dataset(x, y, info)
+
+
+# ---------------------------------------------------------------------- measure
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    """A tqdm bar on stderr when tqdm is installed and ``enabled``; else a no-op."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, desc=desc, unit="run", leave=False, file=sys.stderr, mininterval=0.5)
+        except ImportError:
+            pass
+    return _NoBar()
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _sample_inputs(model: TFLiteModel, data: Dataset | None) -> list[np.ndarray]:
+    """One batch per model input: the first data sample, else deterministic random values."""
+    rng = np.random.default_rng(0)
+    batches = []
+    for i, info in enumerate(model.inputs):
+        if data is not None and i == 0:
+            batch = info.shape[0] if info.shape and info.shape[0] > 0 else 1
+            batches.append(quantize(data.x[:batch], info))
+            continue
+        dtype = np.dtype(info.dtype)
+        shape = tuple(max(d, 1) for d in info.shape)
+        if np.issubdtype(dtype, np.integer):
+            limits = np.iinfo(dtype)
+            batches.append(rng.integers(limits.min, int(limits.max) + 1, size=shape, dtype=dtype))
+        elif dtype == np.bool_:
+            batches.append(rng.integers(0, 2, size=shape).astype(bool))
+        else:
+            batches.append(rng.uniform(-1, 1, size=shape).astype(dtype))
+    return batches
+
+
+def latency_stats(times_ms: list[float], warmup: int, batch: int = 1) -> LatencyStats:
+    arr = np.asarray(times_ms, dtype=np.float64)
+    median = float(np.median(arr))
+    return LatencyStats(
+        runs=len(arr),
+        warmup=warmup,
+        total_s=round(float(arr.sum()) / 1000, 4),
+        mean_ms=round(float(arr.mean()), 4),
+        median_ms=round(median, 4),
+        p90_ms=round(float(np.percentile(arr, 90)), 4),
+        p99_ms=round(float(np.percentile(arr, 99)), 4),
+        std_ms=round(float(arr.std(ddof=1)) if len(arr) > 1 else 0.0, 4),
+        min_ms=round(float(arr.min()), 4),
+        max_ms=round(float(arr.max()), 4),
+        throughput_per_s=round(1000.0 * batch / median, 2) if median > 0 else math.inf,
+    )
+
+
+def measure_run(
+    path: str | Path,
+    *,
+    threads: int,
+    runs: int = 50,
+    warmup: int = 5,
+    min_seconds: float = 0.0,
+    delegate: str | None = None,
+    runtime: str | None = None,
+    data: Dataset | None = None,
+    progress: bool | None = None,
+) -> tuple[RunResult, TFLiteModel]:
+    """Load ``path`` with ``threads`` threads and time ``runs`` invocations after ``warmup``.
+
+    Returns the result and the loaded model (for an accuracy pass without reloading).
+    """
+    if runs < 1 or warmup < 0 or threads < 1 or min_seconds < 0:
+        raise UsageError("--runs and --threads must be at least 1, --warmup and --min-seconds at least 0")
+    gc.collect()
+    reset_ok = reset_peak_rss()
+    rss_before = current_rss_mb()
+    start = time.perf_counter()
+    model = TFLiteModel(path, runtime=runtime, num_threads=threads, delegate=delegate or "xnnpack")
+    init_ms = (time.perf_counter() - start) * 1000
+    peak_load = peak_rss_mb()
+
+    interpreter = model.interpreter
+    invoke = interpreter.invoke
+    try:
+        for info, batch in zip(model.inputs, _sample_inputs(model, data)):
+            if tuple(batch.shape) != tuple(info.shape):
+                interpreter.resize_tensor_input(info.index, list(batch.shape))
+                interpreter.allocate_tensors()
+            interpreter.set_tensor(info.index, batch)
+        reset_peak_rss()
+        t0 = time.perf_counter_ns()
+        invoke()
+    except (RuntimeError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{path}: the interpreter cannot run it: {first}") from exc
+    first_ms = (time.perf_counter_ns() - t0) / 1e6
+    for _ in range(warmup):
+        invoke()
+
+    expected_s = max(first_ms / 1000 * runs, min_seconds)
+    show = (expected_s > PROGRESS_AFTER_S) if progress is None else progress
+    bar = _progress(runs, f"{Path(path).name} x{threads}", show)
+    times: list[float] = []
+    begin = time.perf_counter()
+    clock = time.perf_counter_ns
+    try:
+        while len(times) < runs or (time.perf_counter() - begin < min_seconds and len(times) < MAX_RUNS):
+            t0 = clock()
+            invoke()
+            times.append((clock() - t0) / 1e6)
+            if len(times) <= runs:
+                bar.update(1)
+    finally:
+        bar.close()
+    peak_run = peak_rss_mb()
+    batch = model.inputs[0].shape[0] if model.inputs and model.inputs[0].shape else 1
+    result = RunResult(
+        threads=threads,
+        delegate=model.delegate_name,
+        init_ms=round(init_ms, 3),
+        first_inference_ms=round(first_ms, 4),
+        latency=latency_stats(times, warmup, max(batch, 1)),
+        memory=MemoryStats(
+            rss_before_mb=rss_before,
+            peak_rss_load_mb=peak_load,
+            peak_rss_run_mb=peak_run,
+            peak_reset=reset_ok,
+        ),
+    )
+    log.info("%s threads=%d median %.3f ms", path, threads, result.latency.median_ms)
+    return result, model
+
+
+def predict_all(model: TFLiteModel, x: np.ndarray, progress: bool | None = None, desc: str = "accuracy") -> np.ndarray:
+    """Dequantized first output for every sample of ``x``, a batch at a time."""
+    batch = model.input.shape[0] if model.input.shape and model.input.shape[0] > 0 else 1
+    chunks = range(0, len(x), batch)
+    bar = _progress(len(chunks), desc, bool(progress) if progress is not None else len(x) > 2000)
+    outputs = []
+    try:
+        for start in chunks:
+            outputs.append(model.predict(x[start : start + batch], batch_size=batch))
+            bar.update(1)
+    finally:
+        bar.close()
+    return np.concatenate(outputs, axis=0)
+
+
+def _top1(outputs: np.ndarray) -> np.ndarray:
+    flat = outputs.reshape(len(outputs), -1)
+    return np.argmax(flat, axis=1)
+
+
+def _accuracy(outputs: np.ndarray, data: Dataset, where: str) -> AccuracyStats:
+    if data.y is None:
+        return AccuracyStats(samples=len(outputs), labelled=False, accuracy=None)
+    classes = int(np.prod(outputs.shape[1:]))
+    if data.y.min() < 0 or data.y.max() >= classes:
+        raise DataError(
+            f"{data.info.path}: labels run from {int(data.y.min())} to {int(data.y.max())} "
+            f"but {where} has {classes} output classes"
+        )
+    accuracy = float(np.mean(_top1(outputs) == data.y))
+    return AccuracyStats(samples=len(outputs), labelled=True, accuracy=round(accuracy, 6))
+
+
+def _facts(model: TFLiteModel) -> ModelFacts:
+    desc = model.description
+    assert desc is not None  # loaded with verify=True
+
+    def summary(infos: list[TensorInfo]) -> tuple[TensorSummary, ...]:
+        return tuple(TensorSummary(t.name, t.shape, t.dtype, t.scale, t.zero_point) for t in infos)
+
+    return ModelFacts(
+        path=str(model.path),
+        sha256=desc.sha256,
+        size_bytes=desc.size_bytes,
+        integer_only=is_integer_only(desc),
+        inputs=summary(model.inputs),
+        outputs=summary(model.outputs),
+        ops=op_summary(desc),
+    )
+
+
+def _profile_one(
+    path: Path, threads: tuple[int, ...], data: Dataset | None, kwargs: dict[str, Any]
+) -> tuple[ModelProfile, np.ndarray | None]:
+    runs: list[RunResult] = []
+    outputs = None
+    facts = None
+    for count in threads:
+        result, model = measure_run(path, threads=count, data=data, **kwargs)
+        runs.append(result)
+        if facts is None:
+            facts = _facts(model)
+            if data is not None:
+                outputs = predict_all(model, data.x, kwargs.get("progress"), desc=f"{path.name} accuracy")
+        del model
+    accuracy = _accuracy(outputs, data, str(path)) if data is not None and outputs is not None else None
+    assert facts is not None
+    return ModelProfile(model=facts, runs=tuple(runs), accuracy=accuracy), outputs
+
+
+def profile_model(
+    model_path: str | Path,
+    *,
+    compare: str | Path | None = None,
+    threads: tuple[int, ...] | list[int] = (1,),
+    runs: int = 50,
+    warmup: int = 5,
+    min_seconds: float = 0.0,
+    data: str | Path | None = None,
+    labels: str | None = None,
+    delegate: str | None = None,
+    runtime: str | None = None,
+    progress: bool | None = None,
+) -> ProfileReport:
+    """Profile ``model_path`` (and ``compare``, its FP32 reference) at each thread count.
+
+    Args:
+        compare: a reference .tflite (usually FP32): speedup, size ratio, accuracy drop,
+            top-1 agreement and output error against it.
+        threads: a sweep; each count loads a fresh interpreter.
+        runs, warmup, min_seconds: timed runs (at least ``runs``, and at least
+            ``min_seconds`` of them), after ``warmup`` untimed ones.
+        data: an .npz with ``x`` (and labels ``y``) for accuracy; its first sample is
+            also the timed input (random values otherwise).
+        delegate: xnnpack (default), none, edgetpu or a delegate library path. The
+            reference always runs on the CPU (xnnpack).
+        progress: force the progress bar on/off; None shows it on long loops.
+    """
+    threads = tuple(int(t) for t in threads)
+    if not threads:
+        raise UsageError("--threads needs at least one count, e.g. 1,2,4")
+    model_path = Path(model_path)
+    if runs < 1 or warmup < 0 or min_seconds < 0:
+        raise UsageError("--runs must be at least 1, --warmup and --min-seconds at least 0")
+    if compare is not None:
+        read_tflite(compare)  # a missing or broken reference fails now, not after the timing
+    common = {"runs": runs, "warmup": warmup, "min_seconds": min_seconds, "runtime": runtime, "progress": progress}
+
+    dataset = None
+    if data is not None:
+        # The input spec comes from a quick load; a bad .npz fails before any timing.
+        probe = TFLiteModel(model_path, runtime=runtime, num_threads=1, delegate=delegate or "xnnpack")
+        if len(probe.inputs) != 1:
+            raise UsageError(f"{model_path}: --data supports models with one input, this one has {len(probe.inputs)}")
+        dataset = load_npz(data, probe.input, labels=labels)
+        del probe
+    elif labels is not None:
+        raise UsageError("--labels needs --data")
+
+    main, outputs = _profile_one(model_path, threads, dataset, {**common, "delegate": delegate})
+    reference = ref_outputs = agreement = None
+    if compare is not None:
+        compare = Path(compare)
+        reference, ref_outputs = _profile_one(compare, threads, dataset, {**common, "delegate": "xnnpack"})
+        ref_in = reference.model.inputs[0].shape[1:] if reference.model.inputs else ()
+        if main.model.inputs and tuple(ref_in) != tuple(main.model.inputs[0].shape[1:]):
+            raise UsageError(
+                f"--compare {compare} takes input {tuple(ref_in)}, "
+                f"{model_path} takes {tuple(main.model.inputs[0].shape[1:])}: they are not the same network"
+            )
+    if outputs is not None and ref_outputs is not None:
+        if outputs.shape != ref_outputs.shape:
+            raise UsageError(f"outputs differ in shape: {outputs.shape} vs reference {ref_outputs.shape}")
+        diff = np.abs(outputs.astype(np.float64) - ref_outputs.astype(np.float64))
+        agreement = Agreement(
+            samples=len(outputs),
+            top1_agreement=round(float(np.mean(_top1(outputs) == _top1(ref_outputs))), 6),
+            max_abs_error=round(float(diff.max()), 6),
+            mean_abs_error=round(float(diff.mean()), 6),
+            rmse=round(float(np.sqrt(np.mean(diff**2))), 6),
+        )
+
+    comparison: list[Comparison] = []
+    if reference is not None:
+        drop = None
+        if main.accuracy and reference.accuracy and main.accuracy.labelled:
+            drop = round(reference.accuracy.accuracy - main.accuracy.accuracy, 6)
+        for mine, theirs in zip(main.runs, reference.runs):
+            comparison.append(
+                Comparison(
+                    threads=mine.threads,
+                    speedup=round(theirs.latency.median_ms / mine.latency.median_ms, 4),
+                    size_ratio=round(main.model.size_bytes / reference.model.size_bytes, 4),
+                    accuracy_drop=drop,
+                    top1_agreement=agreement.top1_agreement if agreement else None,
+                    max_abs_error=agreement.max_abs_error if agreement else None,
+                )
+            )
+
+    backend, version = _backend_of(runtime)
+    return ProfileReport(
+        schema=SCHEMA,
+        edgeq_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        environment=collect_environment(backend, version),
+        settings=ProfileSettings(
+            threads=threads,
+            runs=runs,
+            warmup=warmup,
+            min_seconds=min_seconds,
+            delegate=main.runs[0].delegate,
+            runtime=runtime,
+        ),
+        model=main,
+        reference=reference,
+        agreement=agreement,
+        comparison=tuple(comparison),
+        data=dataset.info if dataset is not None else None,
+    )
+
+
+def _backend_of(runtime: str | None) -> tuple[str, str]:
+    from edgeq.runtime.interpreter import backend_version, select_backend
+
+    backend, _ = select_backend(runtime)
+    return backend.name, backend_version(backend)
+
+
+def report_to_dict(report: ProfileReport) -> dict[str, Any]:
+    """The report as JSON-ready dicts and lists (what ``--json`` writes)."""
+
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(dataclasses.asdict(report))
+
+
+def write_json(data: dict[str, Any], path: str | Path) -> Path:
+    """Write ``data`` atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path

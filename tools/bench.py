@@ -1,0 +1,75 @@
+"""Benchmarks (not tests): measure ratios in one run and write BENCHMARKS.md.
+
+python tools/bench.py                 # everything
+python tools/bench.py --only host     # training / conversion ratios
+python tools/bench.py --only device   # profile vs litert-benchmark, speedup, install size, RSS
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))
+
+MARK = "<!-- section: {} -->"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _sections(text: str) -> dict[str, str]:
+    found = {}
+    for name in ("host", "device"):
+        start = text.find(MARK.format(name))
+        if start < 0:
+            continue
+        end = text.find("<!-- section:", start + 1)
+        found[name] = text[start : end if end >= 0 else len(text)].split("\n", 1)[1].rstrip() + "\n"
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["host", "device"])
+    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    sections = _sections(out.read_text()) if out.exists() else {}
+    if args.only in (None, "host"):
+        import bench_host
+
+        sections["host"] = bench_host.run()
+    if args.only in (None, "device"):
+        import bench_device
+
+        sections["device"] = bench_device.run()
+    header = (
+        "# Benchmarks\n\n"
+        "Written by `python tools/bench.py` (`make bench`); numbers are from the last run on the machine "
+        "below, as ratios measured in one run. Rerun to refresh.\n\n"
+        f"- updated: {datetime.date.today().isoformat()}; CPU: {_cpu()}, {os.cpu_count()} cores; "
+        f"Python {platform.python_version()}\n"
+    )
+    body = "".join(f"\n{MARK.format(name)}\n{sections[name]}" for name in ("host", "device") if name in sections)
+    from edgeq.artifacts import write_bytes_atomic
+
+    write_bytes_atomic(out, (header + body).encode())
+    print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()
