@@ -100,6 +100,7 @@ class ConversionResult:
     verification: Verification
     source_is_qat: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
+    edgetpu: dict | None = None  # compatibility check and compiler result, with --edgetpu
 
 
 def manifest_path(model_path: str | Path) -> Path:
@@ -129,10 +130,25 @@ def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_q
     return dataset, spec
 
 
-def _converter(model, spec: ModeSpec, dataset: Dataset | None, samples: int, granularity: str, io_type: str, is_qat):
+def _converter(
+    model,
+    spec: ModeSpec,
+    dataset: Dataset | None,
+    samples: int,
+    granularity: str,
+    io_type: str,
+    is_qat,
+    static_batch: bool = False,
+):
     from edgeq.compat import tf
 
-    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    if static_batch:
+        # The Edge TPU compiler wants every shape fixed, the batch dimension included.
+        spec_in = tf.TensorSpec([1, *model.input_shape[1:]], model.inputs[0].dtype)
+        function = tf.function(lambda x: model(x, training=False), input_signature=[spec_in])
+        converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()], model)
+    else:
+        converter = tf.lite.TFLiteConverter.from_keras_model(model)
     mode = spec.mode
     if mode == Mode.FP32:
         return converter
@@ -208,6 +224,7 @@ def convert(
     granularity: str = "per-channel",
     io_type: str = "int8",
     min_sqnr_db: float | None = None,
+    edgetpu: bool = False,
 ) -> ConversionResult:
     """Convert a Keras model (object or .keras/.h5/SavedModel path) and verify the result.
 
@@ -224,6 +241,8 @@ def convert(
         raise UsageError(f"--io-type must be int8 or uint8, got {io_type!r}")
     if io_type == "uint8" and not spec.integer_io:
         raise UsageError("--io-type uint8 applies to --int8-only")
+    if edgetpu and spec.mode != Mode.INT8_ONLY:
+        raise UsageError("--edgetpu needs --int8-only: the Edge TPU runs only fully integer models")
     if granularity not in ("per-channel", "per-tensor"):
         raise UsageError(f"--granularity must be per-channel or per-tensor, got {granularity!r}")
     keras_model, source_path = _load_source(model)
@@ -251,7 +270,7 @@ def convert(
         raise DataError(f"calibration data {data_spec!r} is empty")
 
     started = time.perf_counter()
-    converter = _converter(keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat)
+    converter = _converter(keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat, edgetpu)
     try:
         flatbuffer = converter.convert()
     except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
@@ -296,6 +315,9 @@ def convert(
     }
     # The model is moved into place only now that it passed; the manifest follows it.
     write_bytes_atomic(out, flatbuffer)
+    if edgetpu:
+        manifest["edgetpu"] = _edgetpu(out, flatbuffer, notes)
+        manifest["notes"] = notes
     write_json_atomic(manifest_path(out), manifest)
     return ConversionResult(
         path=out,
@@ -310,7 +332,49 @@ def convert(
         verification=verification,
         source_is_qat=is_qat,
         notes=tuple(notes),
+        edgetpu=manifest.get("edgetpu"),
     )
+
+
+def _edgetpu(path: Path, flatbuffer: bytes, notes: list[str]) -> dict:
+    """Edge TPU compatibility from the flatbuffer; edgetpu_compiler's verdict when it is here."""
+    from edgeq.runtime.edgetpu import check_edgetpu, find_edgetpu_compiler, run_edgetpu_compiler
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    report = check_edgetpu(verify_tflite(flatbuffer, str(path)))
+    first = report.first_fallback
+    result: dict[str, Any] = {
+        "compatible": report.compatible,
+        "ops_checked": report.ops_checked,
+        "ops_mappable": report.ops_mappable,
+        "first_fallback": None
+        if first is None
+        else {"index": first.index, "op": first.op_type, "reasons": list(first.reasons)},
+        "compiler": None,
+    }
+    if first is not None:
+        notes.append(
+            f"Edge TPU: op {first.index} ({first.op_type}) would fall back to the CPU: {'; '.join(first.reasons)}"
+        )
+    if find_edgetpu_compiler() is None:
+        notes.append(
+            "edgetpu_compiler is not on PATH (it runs on x86-64 Debian/Ubuntu; see deploy/CORAL.md): "
+            f"compile there with `edgetpu_compiler {path.name}`"
+        )
+        return result
+    compiled = run_edgetpu_compiler(path, path.parent)
+    result["compiler"] = {
+        "output": compiled.output_path,
+        "log": compiled.log_path,
+        "version": compiled.compiler_version,
+        "ops_mapped": compiled.ops_mapped,
+        "ops_not_mapped": compiled.ops_not_mapped,
+    }
+    notes.append(
+        f"edgetpu_compiler: {compiled.ops_mapped} ops mapped to the Edge TPU, "
+        f"{compiled.ops_not_mapped} not mapped -> {compiled.output_path}"
+    )
+    return result
 
 
 def _verify(tflite, keras_model, spec, dataset, data_spec, samples, io_type, source_name, min_sqnr_db) -> Verification:

@@ -122,3 +122,21 @@ def test_ptq_without_calibration_data_says_how_to_give_it(tmp_path):
     # Modes without calibration need no data: verification falls back to random inputs.
     r = convert(path, tmp_path / "x.tflite", mode="dynamic")
     assert "random" in r.verification.data
+
+
+def test_edgetpu_conversion_is_static_checked_and_says_when_the_compiler_is_missing(
+    cli, digits_run, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no edgetpu_compiler here (it is x86-64 Debian-only, not on PyPI)
+    out = tmp_path / "coral.tflite"
+    result = cli("convert", digits_run.qat_model, "--int8-only", "--io-type", "uint8", "--edgetpu", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "edgetpu_compiler is not on PATH" in result.stdout
+    manifest = json.loads((tmp_path / "coral.manifest.json").read_text())
+    assert manifest["edgetpu"]["compatible"] is True and manifest["edgetpu"]["compiler"] is None
+    model = TFLiteModel(out)
+    assert model.input.shape == (1, 8, 8, 1) and model.input.dtype == "uint8"
+    sig = model.interpreter.get_input_details()[0]["shape_signature"]
+    assert list(sig) == [1, 8, 8, 1]  # static: the Edge TPU compiler refuses a dynamic batch
+    refused = cli("convert", digits_run.qat_model, "--int8", "--edgetpu", "--out", tmp_path / "x.tflite")
+    assert_one_line_error(refused, "--int8-only")
