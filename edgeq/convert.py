@@ -225,6 +225,8 @@ def convert(
     io_type: str = "int8",
     min_sqnr_db: float | None = None,
     edgetpu: bool = False,
+    equalize: bool = False,
+    plan: str | Path | None = None,
 ) -> ConversionResult:
     """Convert a Keras model (object or .keras/.h5/SavedModel path) and verify the result.
 
@@ -248,6 +250,23 @@ def convert(
     keras_model, source_path = _load_source(model)
     source_name = str(source_path) if source_path else keras_model.name
     is_qat = is_qat_model(keras_model)
+    notes: list[str] = []
+    if (equalize or plan) and is_qat:
+        raise UsageError(f"{source_name}: --equalize and --plan are post-training tools; give the FP32 model")
+    if plan and spec.mode != Mode.INT8:
+        raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
+    if equalize:
+        from edgeq.analyze.equalize import equalized_copy
+
+        keras_model, pairs = equalized_copy(keras_model)
+        if pairs:
+            worst = max(pairs, key=lambda p: p.range_spread_before)
+            notes.append(
+                f"equalized {len(pairs)} layer pair(s); largest channel-range spread {worst.first}: "
+                f"{worst.range_spread_before:.1f}x -> {worst.range_spread_after:.1f}x"
+            )
+        else:
+            notes.append("--equalize found no layer pairs to equalize (needs Conv/Dense -> ReLU/pool -> Conv/Dense)")
     input_shape = tuple(keras_model.input_shape[1:])
     if any(d is None for d in input_shape):
         raise ConversionError(f"{source_name}: input shape {input_shape} is not static: give the Input a fixed shape")
@@ -255,7 +274,6 @@ def convert(
     if out.suffix != ".tflite":
         raise UsageError(f"{out}: the output must end in .tflite")
 
-    notes: list[str] = []
     dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
     if spec.calibrate and dataset is None:
         if is_qat:
@@ -270,9 +288,14 @@ def convert(
         raise DataError(f"calibration data {data_spec!r} is empty")
 
     started = time.perf_counter()
-    converter = _converter(keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat, edgetpu)
     try:
-        flatbuffer = converter.convert()
+        if plan:
+            flatbuffer = _convert_with_plan(keras_model, plan, dataset, calib_samples, granularity, notes)
+        else:
+            converter = _converter(keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat, edgetpu)
+            flatbuffer = converter.convert()
+    except (UsageError, DataError):
+        raise
     except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
         raise _converter_error(exc, spec, source_name) from exc
     seconds = time.perf_counter() - started
@@ -302,6 +325,8 @@ def convert(
         },
         "options": {
             "granularity": granularity,
+            "equalize": equalize,
+            "plan": str(plan) if plan else None,
             "io_type": io_type if spec.integer_io else "float32",
             "calib": data_spec,
             "calib_samples": calib_samples if spec.calibrate else 0,
@@ -334,6 +359,23 @@ def convert(
         notes=tuple(notes),
         edgetpu=manifest.get("edgetpu"),
     )
+
+
+def _convert_with_plan(keras_model, plan, dataset, samples, granularity, notes) -> bytes:
+    """Full integer except the layers the plan keeps float (denylisted at quantization)."""
+    from edgeq.analyze.sensitivity import calibrate
+    from edgeq.train.layer_config import LayerConfig, LayerPrecision
+
+    names = [layer.name for layer in keras_model.layers]
+    resolved = LayerConfig.load(plan).resolve(names, LayerPrecision())
+    float_layers = [name for name, p in resolved.items() if p.keep_float]
+    cal = calibrate(keras_model, dataset, samples, per_tensor=granularity == "per-tensor")
+    nodes = cal.nodes_of_layers(float_layers)
+    notes.append(
+        f"plan {plan}: {len(float_layers)} layer(s) kept float ({', '.join(float_layers) or 'none'}), "
+        f"{len(cal.nodes) - len(nodes)} of {len(cal.nodes)} ops integer"
+    )
+    return cal.quantize(nodes)
 
 
 def _edgetpu(path: Path, flatbuffer: bytes, notes: list[str]) -> dict:

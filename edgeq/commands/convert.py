@@ -45,11 +45,13 @@ def _mode_options(func):
     help="Input/output type with --int8-only (uint8 for Coral).",
 )
 @click.option("--min-sqnr", type=float, help="Verification threshold in dB (default: per mode).")
+@click.option("--equalize", is_flag=True, help="Cross-layer equalization before PTQ (BN folded first).")
+@click.option("--plan", type=click.Path(), help="Layer-wise plan from `edgeq analyze plan`: those layers stay float.")
 @click.option(
     "--edgetpu", is_flag=True, help="Coral: static batch 1, Edge TPU check, and edgetpu_compiler if it is on PATH."
 )
 @click.option("--json", "json_out", is_flag=True, help="Print the result as JSON.")
-def convert(model, mode, out, calib, calib_samples, granularity, io_type, min_sqnr, edgetpu, json_out):
+def convert(model, mode, out, calib, calib_samples, granularity, io_type, min_sqnr, equalize, plan, edgetpu, json_out):
     """Convert MODEL (.keras/.h5/SavedModel; a QAT model needs no calibration) to TFLite,
     then load it in LiteRT and verify it against MODEL before writing it."""
     import json
@@ -58,7 +60,17 @@ def convert(model, mode, out, calib, calib_samples, granularity, io_type, min_sq
     from edgeq.convert import convert as run_convert
 
     result = run_convert(
-        model, out, mode or "int8-only", calib, calib_samples, granularity, io_type, min_sqnr, edgetpu=edgetpu
+        model,
+        out,
+        mode or ("int8" if plan else "int8-only"),
+        calib,
+        calib_samples,
+        granularity,
+        io_type,
+        min_sqnr,
+        edgetpu=edgetpu,
+        equalize=equalize,
+        plan=plan,
     )
     if json_out:
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))

@@ -1,0 +1,1 @@
+"""Which layers are hard to quantize, why, and what precision plan meets a budget."""

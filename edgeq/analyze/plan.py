@@ -1,0 +1,147 @@
+"""Accuracy-budgeted layer-wise precision: full INT8, then the most sensitive layers float.
+
+Layers are ranked by exact sensitivity (accuracy regained by keeping each one float),
+then kept float one by one in that order until the accuracy drop against FP32 is within
+the budget. Every plan tried is a point of the size/accuracy frontier. The plan file is
+a layer-config ({"layers": {name: "float"}}): `edgeq convert --plan` and
+`edgeq train --layer-config` both read it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgeq.analyze.sensitivity import calibrate, exact_sensitivity, predict
+from edgeq.artifacts import write_json_atomic
+from edgeq.errors import UsageError
+
+
+@dataclass(frozen=True)
+class PlanPoint:
+    float_layers: tuple[str, ...]
+    accuracy: float
+    drop_pp: float
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    path: Path
+    met: bool
+    max_drop_pp: float
+    fp32_accuracy: float
+    int8_accuracy: float
+    best: PlanPoint
+    frontier: tuple[PlanPoint, ...]
+    ranking: tuple[str, ...]
+    data: str
+    seconds: float
+
+
+def make_plan(
+    model_path,
+    data: str,
+    max_drop_pp: float,
+    out: str | Path,
+    samples: int = 200,
+    split: str = "val",
+    per_tensor: bool = False,
+    progress=None,
+) -> PlanResult:
+    from edgeq.data import load_dataset
+    from edgeq.train.fit import load_user_model
+    from edgeq.train.schemes import is_qat_model
+
+    start = time.perf_counter()
+    model = load_user_model(model_path)
+    if is_qat_model(model):
+        raise UsageError(f"{model_path} is a QAT model; plan from the FP32 model it was trained from")
+    input_shape = tuple(model.input_shape[1:])
+    dataset = load_dataset(data, input_shape=input_shape)
+    dataset.check_fits(input_shape, where=f"model {model_path}")
+    x, y = dataset.split(split)
+    if len(x) == 0:
+        raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")
+    cal = calibrate(model, dataset, samples, per_tensor)
+    if not cal.nodes:
+        raise UsageError(f"{model_path}: the converter quantized no layer: there is nothing to plan")
+    fp32_acc, int8_acc, ranked = exact_sensitivity(cal, x, y, progress)
+    # Keep float first the layers whose float-ness buys back the most accuracy.
+    ranked.sort(key=lambda r: (-r.gain_pp, -r.loss_pp, -r.mse_only_this))
+    ranking = [r.layer for r in ranked]
+
+    def measure(float_layers: list[str]) -> PlanPoint:
+        model_bytes = cal.quantize(cal.nodes_of_layers(float_layers))
+        acc = float(np.mean(predict(model_bytes, x).argmax(-1) == y))
+        return PlanPoint(tuple(float_layers), acc, round((fp32_acc - acc) * 100, 4), len(model_bytes))
+
+    frontier = [measure([])]
+    chosen: list[str] = []
+    for layer in ranking:
+        if frontier[-1].drop_pp <= max_drop_pp:
+            break
+        chosen.append(layer)
+        frontier.append(measure(chosen))
+    meeting = [p for p in frontier if p.drop_pp <= max_drop_pp]
+    best = meeting[0] if meeting else max(frontier, key=lambda p: (p.accuracy, -len(p.float_layers)))
+    out = Path(out)
+    write_json_atomic(
+        out,
+        {
+            "kind": "edgeq.plan",
+            "model": str(model_path),
+            "data": f"{data} ({split})",
+            "max_drop_pp": max_drop_pp,
+            "met": bool(meeting),
+            "fp32_accuracy": fp32_acc,
+            "int8_accuracy": int8_acc,
+            "accuracy": best.accuracy,
+            "drop_pp": best.drop_pp,
+            "size_bytes": best.size_bytes,
+            "granularity": "per-tensor" if per_tensor else "per-channel",
+            "layers": {name: "float" for name in best.float_layers},
+            "ranking": ranking,
+            "frontier": [asdict(p) for p in frontier],
+        },
+    )
+    return PlanResult(
+        out,
+        bool(meeting),
+        max_drop_pp,
+        fp32_acc,
+        int8_acc,
+        best,
+        tuple(frontier),
+        tuple(ranking),
+        f"{data} ({split})",
+        round(time.perf_counter() - start, 3),
+    )
+
+
+def save_frontier_chart(result: PlanResult, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from edgeq.artifacts import atomic_path
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    sizes = [p.size_bytes / 1024 for p in result.frontier]
+    accs = [p.accuracy * 100 for p in result.frontier]
+    ax.plot(sizes, accs, "o-", color="#4062bb")
+    for p, s, a in zip(result.frontier, sizes, accs):
+        ax.annotate(str(len(p.float_layers)), (s, a), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(result.fp32_accuracy * 100 - result.max_drop_pp, color="#c33", lw=0.8, ls="--", label="budget")
+    ax.set_xlabel("model size (KiB)")
+    ax.set_ylabel(f"accuracy on {result.data} (%)")
+    ax.set_title("plans tried (label: layers kept float)")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=90)
+    plt.close(fig)

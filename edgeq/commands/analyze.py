@@ -1,0 +1,218 @@
+"""`edgeq analyze`: weight statistics, per-layer sensitivity, accuracy-budgeted plans."""
+
+from __future__ import annotations
+
+import click
+
+from edgeq.commands._format import table
+
+
+@click.group("analyze")
+def analyze():
+    """Which layers are hard to quantize, why, and a layer-wise plan that meets a budget."""
+
+
+@analyze.command("weights")
+@click.argument("model", type=click.Path())
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every figure as JSON.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write one row per layer as CSV.")
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False), help="Write a histogram PNG per layer here.")
+def weights(model, json_path, csv_path, plots_dir):
+    """Per-layer weight statistics of MODEL (Keras or .tflite) and the error of each
+    quantization choice: INT8/INT4, per-tensor/per-channel, symmetric/asymmetric,
+    nearest/stochastic rounding. Most outlier-heavy layer first."""
+    from edgeq.analyze.weights import analyze_weights, save_histograms
+    from edgeq.artifacts import atomic_path, write_json_atomic
+
+    reports = analyze_weights(model)
+    rows = []
+    for r in reports:
+        rows.append(
+            (
+                r.name,
+                r.kind,
+                "x".join(map(str, r.shape)),
+                f"{r.std:.3g}",
+                f"{r.kurtosis:.1f}",
+                f"{r.outlier_fraction:.2%}",
+                f"{r.channel_range_spread:.1f}x",
+                f"{r.error(8, 'per-tensor').sqnr_db:.1f}",
+                f"{r.error(8, 'per-channel').sqnr_db:.1f}",
+                f"{r.error(4, 'per-channel').sqnr_db:.1f}",
+                f"{r.error(4, 'per-channel', rounding='stochastic').sqnr_db:.1f}",
+                r.recommendation,
+            )
+        )
+    click.echo(
+        table(
+            [
+                "layer",
+                "kind",
+                "shape",
+                "std",
+                "kurtosis",
+                "outliers",
+                "ch. spread",
+                "int8 t dB",
+                "int8 ch dB",
+                "int4 ch dB",
+                "int4 ch sr dB",
+                "recommendation",
+            ],
+            rows,
+        )
+    )
+    if json_path:
+        write_json_atomic(json_path, {"model": str(model), "layers": [r.to_dict() for r in reports]})
+    if csv_path:
+        import csv
+
+        with atomic_path(csv_path) as tmp, open(tmp, "w", newline="") as fh:
+            writer = csv.writer(fh)
+            header = [
+                "layer",
+                "kind",
+                "shape",
+                "min",
+                "max",
+                "mean",
+                "std",
+                "kurtosis",
+                "outlier_fraction",
+                "channel_range_spread",
+                "recommendation",
+            ]
+            combos = [(e.bits, e.granularity, e.scheme, e.rounding) for e in reports[0].errors]
+            header += [f"sqnr_db_int{b}_{g}_{s}_{r}" for b, g, s, r in combos]
+            writer.writerow(header)
+            for r in reports:
+                writer.writerow(
+                    [
+                        r.name,
+                        r.kind,
+                        "x".join(map(str, r.shape)),
+                        r.min,
+                        r.max,
+                        r.mean,
+                        r.std,
+                        r.kurtosis,
+                        r.outlier_fraction,
+                        r.channel_range_spread,
+                        r.recommendation,
+                    ]
+                    + [r.error(*c).sqnr_db for c in combos]
+                )
+    if plots_dir:
+        files = save_histograms(model, plots_dir)
+        click.echo(f"{len(files)} histograms in {plots_dir}")
+
+
+@analyze.command("sensitivity")
+@click.argument("model", type=click.Path())
+@click.option("--data", required=True, help="digits | synthetic:... | npz:PATH | images:DIR")
+@click.option("--method", type=click.Choice(["fast", "exact", "both"]), default="both", show_default=True)
+@click.option("--calib-samples", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--split", type=click.Choice(["val", "test"]), default="test", show_default=True)
+@click.option(
+    "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Bar chart PNG of the ranking.")
+def sensitivity(model, data, method, calib_samples, split, granularity, json_path, plot_path):
+    """Rank the layers of FP32 MODEL by how much INT8 quantization of each one costs."""
+    from edgeq.analyze.sensitivity import analyze_sensitivity, save_bar_chart
+    from edgeq.artifacts import write_json_atomic
+
+    report = analyze_sensitivity(model, data, method, calib_samples, split, granularity == "per-tensor")
+    click.echo(f"{report.data}: FP32 {report.fp32_accuracy:.2%}, full INT8 {report.int8_accuracy:.2%}")
+    if report.fast:
+        click.echo(f"\nfast (QuantizationDebugger, {report.seconds_fast:.1f} s): lowest channel SQNR first")
+        click.echo(
+            table(
+                ["layer", "channel SQNR dB", "MSE", "RMSE/scale", "max abs err"],
+                [
+                    (
+                        f.layer,
+                        f"{f.channel_sqnr_db:.1f}",
+                        f"{f.mean_squared_error:.3g}",
+                        f"{f.rmse_over_scale:.3g}",
+                        f"{f.max_abs_error:.3g}",
+                    )
+                    for f in report.fast
+                ],
+            )
+        )
+    if report.exact:
+        click.echo(f"\nexact ({report.seconds_exact:.1f} s): accuracy regained by keeping the layer float first")
+        click.echo(
+            table(
+                ["layer", "all but this", "only this", "gain pp", "loss pp", "MSE only this"],
+                [
+                    (
+                        e.layer,
+                        f"{e.accuracy_all_but_this:.2%}",
+                        f"{e.accuracy_only_this:.2%}",
+                        f"{e.gain_pp:+.2f}",
+                        f"{e.loss_pp:+.2f}",
+                        f"{e.mse_only_this:.3g}",
+                    )
+                    for e in report.exact
+                ],
+            )
+        )
+    if json_path:
+        write_json_atomic(json_path, report.to_dict())
+    if plot_path:
+        save_bar_chart(report, plot_path)
+
+
+@analyze.command("plan")
+@click.argument("model", type=click.Path())
+@click.option("--data", required=True, help="digits | synthetic:... | npz:PATH | images:DIR")
+@click.option("--max-drop", "max_drop", type=float, required=True, help="Accuracy budget vs FP32, in points.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Plan file (JSON) to write.")
+@click.option("--calib-samples", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option(
+    "--split",
+    type=click.Choice(["val", "test"]),
+    default="val",
+    show_default=True,
+    help="Split the plans are measured on (keep test for the final eval).",
+)
+@click.option(
+    "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
+)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Size/accuracy frontier PNG.")
+def plan(model, data, max_drop, out, calib_samples, split, granularity, plot_path):
+    """Start from full INT8 and keep the most sensitive layers float until the accuracy
+    drop is within --max-drop. The best plan is always saved; use it with
+    `edgeq convert MODEL --int8 --plan PLAN` or `edgeq train --layer-config PLAN`."""
+    from edgeq.analyze.plan import make_plan, save_frontier_chart
+    from edgeq.errors import QualityGateError
+
+    result = make_plan(model, data, max_drop, out, calib_samples, split, granularity == "per-tensor")
+    click.echo(
+        f"{result.data}: FP32 {result.fp32_accuracy:.2%}, full INT8 {result.int8_accuracy:.2%}, budget {max_drop:g} pp"
+    )
+    click.echo(
+        table(
+            ["layers kept float", "accuracy", "drop pp", "size KiB"],
+            [
+                (
+                    ", ".join(p.float_layers) or "(none: full INT8)",
+                    f"{p.accuracy:.2%}",
+                    f"{p.drop_pp:+.2f}",
+                    f"{p.size_bytes / 1024:.1f}",
+                )
+                for p in result.frontier
+            ],
+        )
+    )
+    if plot_path:
+        save_frontier_chart(result, plot_path)
+    click.echo(f"plan: {result.path}")
+    if not result.met:
+        raise QualityGateError(
+            f"no plan meets --max-drop {max_drop:g} pp: the best ({len(result.best.float_layers)} layers float) "
+            f"drops {result.best.drop_pp:.2f} pp; it is saved in {result.path}"
+        )

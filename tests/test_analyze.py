@@ -1,0 +1,201 @@
+"""edgeq analyze on a model with one deliberately outlier-heavy layer, and on digits-cnn."""
+
+import json
+
+import numpy as np
+import pytest
+
+from edgeq.compat import keras
+from edgeq.data import load_dataset
+from edgeq.evaluate import evaluate
+from edgeq.train.fit import _compile
+from tests.conftest import assert_one_line_error
+
+OUTLIER_CHANNEL, OUTLIER_FACTOR = 3, 1000.0
+
+
+@pytest.fixture(scope="module")
+def outlier_model(tmp_path_factory):
+    """A digits CNN whose conv1 has one output channel x1000 (weights and activations),
+    compensated in conv2 so that the FP32 function is unchanged."""
+    L = keras.layers
+    keras.utils.set_random_seed(0)
+    d = load_dataset("digits")
+    inputs = L.Input((8, 8, 1), name="input")
+    h = L.Conv2D(16, 3, padding="same", activation="relu", name="conv1")(inputs)
+    h = L.Conv2D(32, 3, padding="same", activation="relu", name="conv2")(h)
+    h = L.MaxPooling2D(name="pool")(h)
+    h = L.Conv2D(32, 3, padding="same", activation="relu", name="conv3")(h)
+    outputs = L.Dense(10, activation="softmax", name="head")(L.GlobalAveragePooling2D(name="gap")(h))
+    model = keras.Model(inputs, outputs)
+    _compile(model, 2e-3)
+    model.fit(d.x_train, d.y_train, epochs=30, batch_size=32, verbose=0)
+    before = model.predict(d.x_test, verbose=0)
+    w1, b1 = model.get_layer("conv1").get_weights()
+    w1[..., OUTLIER_CHANNEL] *= OUTLIER_FACTOR
+    b1[OUTLIER_CHANNEL] *= OUTLIER_FACTOR
+    model.get_layer("conv1").set_weights([w1, b1])
+    w2, b2 = model.get_layer("conv2").get_weights()
+    w2[:, :, OUTLIER_CHANNEL, :] /= OUTLIER_FACTOR
+    model.get_layer("conv2").set_weights([w2, b2])
+    after = model.predict(d.x_test, verbose=0)
+    assert np.max(np.abs(after - before)) < 1e-4
+    path = tmp_path_factory.mktemp("outlier") / "outlier.keras"
+    model.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def outlier_sensitivity(outlier_model):
+    from edgeq.analyze.sensitivity import analyze_sensitivity
+
+    return analyze_sensitivity(outlier_model, "digits", samples=100)
+
+
+def test_int8_loses_accuracy_on_the_outlier_model(outlier_sensitivity):
+    assert outlier_sensitivity.fp32_accuracy >= 0.9
+    assert outlier_sensitivity.int8_accuracy < outlier_sensitivity.fp32_accuracy - 0.3
+
+
+def test_weights_analysis_ranks_the_outlier_layer_first(cli, outlier_model, tmp_path):
+    result = cli(
+        "analyze",
+        "weights",
+        outlier_model,
+        "--json",
+        tmp_path / "w.json",
+        "--csv",
+        tmp_path / "w.csv",
+        "--plots",
+        tmp_path / "plots",
+    )
+    assert result.exit_code == 0, result.output
+    layers = json.loads((tmp_path / "w.json").read_text())["layers"]
+    first = layers[0]
+    assert first["name"] == "conv1"
+    assert "keep >= 8 bit" in first["recommendation"] and "needs per-channel" in first["recommendation"]
+    assert first["channel_range_spread"] > 100 and first["kurtosis"] > 20
+    assert all(len(layer["errors"]) == 16 for layer in layers)  # 2 bits x 2 granularities x 2 schemes x 2 roundings
+    others = [layer for layer in layers if layer["name"] != "conv1"]
+    assert all("keep >= 8 bit" not in layer["recommendation"] for layer in others)
+    assert (tmp_path / "w.csv").read_text().count("\n") == len(layers) + 1
+    assert len(list((tmp_path / "plots").glob("hist_*.png"))) == len(layers)
+
+
+def test_sensitivity_ranks_the_outlier_layer_first_by_both_methods(outlier_sensitivity):
+    assert outlier_sensitivity.fast[0].layer == "conv1"
+    assert outlier_sensitivity.exact[0].layer == "conv1"
+    conv1 = outlier_sensitivity.exact[0]
+    assert conv1.loss_pp > 30  # quantizing conv1 alone costs most of the accuracy
+    healthy = [e for e in outlier_sensitivity.exact if e.layer in ("conv3", "head")]
+    assert all(e.loss_pp < 2 for e in healthy)
+
+
+def test_sensitivity_cli_writes_json_and_chart(cli, digits_run, tmp_path):
+    result = cli(
+        "analyze",
+        "sensitivity",
+        digits_run.fp32_model,
+        "--data",
+        "digits",
+        "--calib-samples",
+        "50",
+        "--json",
+        tmp_path / "s.json",
+        "--plot",
+        tmp_path / "s.png",
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert {e["layer"] for e in report["exact"]} >= {"conv1", "conv2", "conv3", "logits"}
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_plan_meets_the_budget_and_keeps_every_other_layer_integer(cli, outlier_model, tmp_path):
+    plan = tmp_path / "plan.json"
+    result = cli(
+        "analyze",
+        "plan",
+        outlier_model,
+        "--data",
+        "digits",
+        "--max-drop",
+        "0.5",
+        "--out",
+        plan,
+        "--calib-samples",
+        "100",
+        "--plot",
+        tmp_path / "frontier.png",
+    )
+    assert result.exit_code == 0, result.output
+    saved = json.loads(plan.read_text())
+    assert saved["met"] and saved["drop_pp"] <= 0.5
+    kept_float = set(saved["layers"])
+    assert "conv1" in kept_float and kept_float <= {"conv1", "conv2"}
+    assert len(saved["frontier"]) >= 2 and (tmp_path / "frontier.png").is_file()
+    out = tmp_path / "planned.tflite"
+    converted = cli("convert", outlier_model, "--plan", plan, "--calib", "digits", "--out", out)
+    assert converted.exit_code == 0, converted.output
+    ev = evaluate(out, outlier_model, "digits")
+    assert ev.drop_pp <= 0.5
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    ops = TFLiteModel(out, use_default_delegates=False).ops()
+    float_ops = [op for op in ops if "float32" in op.output_dtypes and op.op_name not in ("DEQUANTIZE",)]
+    integer_ops = [op for op in ops if "int8" in op.output_dtypes and op.op_name not in ("QUANTIZE",)]
+    assert [op.op_name for op in float_ops] == ["CONV_2D", "CONV_2D"]  # conv1, conv2
+    assert {op.op_name for op in integer_ops} >= {"CONV_2D", "MAX_POOL_2D", "MEAN", "FULLY_CONNECTED"}
+
+
+def test_equalize_alone_recovers_most_of_it_fully_integer(cli, outlier_model, tmp_path):
+    from edgeq.analyze.equalize import equalized_copy
+    from edgeq.compat import load_keras_model
+
+    model = load_keras_model(outlier_model)
+    equalized, pairs = equalized_copy(model)
+    x = load_dataset("digits").x_test
+    a, b = model.predict(x, verbose=0), equalized.predict(x, verbose=0)
+    assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a))  # exact in FP32
+    assert pairs[0].first == "conv1" and pairs[0].range_spread_before > 100 > 2 > pairs[0].range_spread_after
+    out = tmp_path / "eq.tflite"
+    plain = cli("convert", outlier_model, "--int8-only", "--calib", "digits", "--out", tmp_path / "plain.tflite")
+    assert_one_line_error(plain, "verification failed")  # without equalization INT8 is useless and refused
+    result = cli("convert", outlier_model, "--int8-only", "--equalize", "--calib", "digits", "--out", out)
+    assert result.exit_code == 0, result.output
+    ev = evaluate(out, outlier_model, "digits")
+    assert ev.model_dtype == "int8" and ev.drop_pp <= 1.0
+
+
+def test_plan_with_an_impossible_budget_saves_the_best_and_says_so(cli, digits_run, tmp_path):
+    plan = tmp_path / "plan.json"
+    result = cli(
+        "analyze",
+        "plan",
+        digits_run.fp32_model,
+        "--data",
+        "digits",
+        "--max-drop",
+        "-50",
+        "--out",
+        plan,
+        "--calib-samples",
+        "50",
+    )
+    assert_one_line_error(result, "no plan meets --max-drop", str(plan))
+    saved = json.loads(plan.read_text())
+    assert saved["met"] is False and "layers" in saved
+
+
+def test_plan_naming_missing_layers_lists_the_real_names(cli, digits_run, tmp_path):
+    plan = tmp_path / "bad.json"
+    plan.write_text('{"layers": {"conv7": "float"}}')
+    result = cli("convert", digits_run.fp32_model, "--plan", plan, "--calib", "digits", "--out", tmp_path / "x.tflite")
+    assert_one_line_error(result, "conv7", "conv1, bn1")
+    assert not (tmp_path / "x.tflite").exists()
+
+
+def test_model_without_quantizable_layers(cli, tmp_path):
+    path = tmp_path / "flat.keras"
+    keras.Sequential([keras.layers.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Softmax()]).save(path)
+    assert_one_line_error(cli("analyze", "weights", path), "no quantizable layers")
