@@ -34,6 +34,8 @@ class Mode(str, Enum):
     INT8 = "int8"
     INT8_ONLY = "int8-only"
     INT16X8 = "int16x8"
+    INT4_WEIGHTS = "int4-weights"
+    INT4_DYNAMIC = "int4-dynamic"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ModeSpec:
     integer_only: bool  # refuse any float op or tensor on the inference path
     integer_io: bool  # int8 (or uint8) input and output tensors
     min_sqnr_db: float  # verification: output SQNR vs the source model must reach this
+    backend: str = "tflite"  # "tflite": TFLiteConverter; "aeq": AI Edge Quantizer on the FP32 .tflite
 
 
 # The one table: CLI flags, validation, file names and verification all read it.
@@ -67,6 +70,35 @@ MODES: dict[Mode, ModeSpec] = {
         10.0,
     ),
     Mode.INT16X8: ModeSpec(Mode.INT16X8, "16-bit activations, 8-bit weights", "int16x8", True, False, False, 15.0),
+    Mode.INT4_WEIGHTS: ModeSpec(
+        Mode.INT4_WEIGHTS,
+        "INT4 weight-only (AI Edge Quantizer), float compute",
+        "int4w",
+        False,
+        False,
+        False,
+        5.0,
+        "aeq",
+    ),
+    Mode.INT4_DYNAMIC: ModeSpec(
+        Mode.INT4_DYNAMIC,
+        "INT4 weights, dynamic-range activations (AI Edge Quantizer)",
+        "int4dyn",
+        False,
+        False,
+        False,
+        5.0,
+        "aeq",
+    ),
+}
+
+# --int4-granularity: AI Edge Quantizer's weight granularities.
+INT4_GRANULARITIES = {
+    "channel": "CHANNELWISE",
+    "block32": "BLOCKWISE_32",
+    "block64": "BLOCKWISE_64",
+    "block128": "BLOCKWISE_128",
+    "block256": "BLOCKWISE_256",
 }
 
 FLOAT_DTYPES = {"float32", "float16", "float64"}
@@ -227,6 +259,8 @@ def convert(
     edgetpu: bool = False,
     equalize: bool = False,
     plan: str | Path | None = None,
+    int4_granularity: str = "channel",
+    bias_correct: bool = False,
 ) -> ConversionResult:
     """Convert a Keras model (object or .keras/.h5/SavedModel path) and verify the result.
 
@@ -243,6 +277,8 @@ def convert(
         raise UsageError(f"--io-type must be int8 or uint8, got {io_type!r}")
     if io_type == "uint8" and not spec.integer_io:
         raise UsageError("--io-type uint8 applies to --int8-only")
+    if int4_granularity not in INT4_GRANULARITIES:
+        raise UsageError(f"--int4-granularity must be one of {', '.join(INT4_GRANULARITIES)}")
     if edgetpu and spec.mode != Mode.INT8_ONLY:
         raise UsageError("--edgetpu needs --int8-only: the Edge TPU runs only fully integer models")
     if granularity not in ("per-channel", "per-tensor"):
@@ -251,8 +287,12 @@ def convert(
     source_name = str(source_path) if source_path else keras_model.name
     is_qat = is_qat_model(keras_model)
     notes: list[str] = []
-    if (equalize or plan) and is_qat:
-        raise UsageError(f"{source_name}: --equalize and --plan are post-training tools; give the FP32 model")
+    if (equalize or plan or bias_correct) and is_qat:
+        raise UsageError(
+            f"{source_name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
+        )
+    if bias_correct and not spec.calibrate:
+        raise UsageError("--bias-correct corrects integer PTQ: use it with --int8, --int8-only or --int16x8")
     if plan and spec.mode != Mode.INT8:
         raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
     if equalize:
@@ -275,6 +315,26 @@ def convert(
         raise UsageError(f"{out}: the output must end in .tflite")
 
     dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
+    if bias_correct and dataset is not None:
+        from edgeq.analyze.bias_correction import correct_biases
+        from edgeq.train.fold import fold_batchnorm
+
+        if not equalize:  # equalized_copy has folded BN into a copy already
+            folded = fold_batchnorm(keras_model)
+            if folded is keras_model:  # nothing to fold: correct a copy, never the caller's model
+                from edgeq.compat import keras
+
+                folded = keras.models.clone_model(keras_model)
+                folded.set_weights(keras_model.get_weights())
+            keras_model = folded
+        shifts = correct_biases(keras_model, dataset.calibration_samples(calib_samples), granularity == "per-tensor")
+        if shifts:
+            worst = max(shifts, key=lambda s: s.max_abs_shift)
+            notes.append(
+                f"bias-corrected {len(shifts)} layer(s); largest shift {worst.max_abs_shift:.3g} in {worst.layer}"
+            )
+        else:
+            notes.append("--bias-correct found no Conv/Dense layer with a bias to correct")
     if spec.calibrate and dataset is None:
         if is_qat:
             raise UsageError(
@@ -291,6 +351,8 @@ def convert(
     try:
         if plan:
             flatbuffer = _convert_with_plan(keras_model, plan, dataset, calib_samples, granularity, notes)
+        elif spec.backend == "aeq":
+            flatbuffer = _convert_with_aeq(keras_model, spec, int4_granularity, notes)
         else:
             converter = _converter(keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat, edgetpu)
             flatbuffer = converter.convert()
@@ -325,6 +387,7 @@ def convert(
         },
         "options": {
             "granularity": granularity,
+            "int4_granularity": int4_granularity if spec.backend == "aeq" else None,
             "equalize": equalize,
             "plan": str(plan) if plan else None,
             "io_type": io_type if spec.integer_io else "float32",
@@ -359,6 +422,41 @@ def convert(
         notes=tuple(notes),
         edgetpu=manifest.get("edgetpu"),
     )
+
+
+def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes: list[str]) -> bytes:
+    """FP32 TFLite, then AI Edge Quantizer's INT4 recipe on it (weight-only or dynamic)."""
+    from edgeq.compat import tf
+
+    try:
+        from ai_edge_quantizer import qtyping, quantizer
+    except ImportError as exc:
+        raise UsageError(f'--{spec.mode.value} needs AI Edge Quantizer: pip install "edgeq[train]"') from exc
+    float_model = tf.lite.TFLiteConverter.from_keras_model(keras_model).convert()
+    qt = quantizer.Quantizer(float_model)
+    add = qt.add_weight_only_config if spec.mode == Mode.INT4_WEIGHTS else qt.add_dynamic_config
+    add(
+        regex=".*",
+        operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
+        num_bits=4,
+        granularity=qtyping.QuantGranularity(INT4_GRANULARITIES[int4_granularity]),
+    )
+    result = qt.quantize(enable_progress_report=False)
+    quantized = bytes(result.quantized_model)
+    from edgeq.runtime.flatbuffer import bytes_by_dtype, verify_tflite
+
+    by_dtype = bytes_by_dtype(verify_tflite(quantized, "AI Edge Quantizer output"))
+    int4, float32 = by_dtype.get("int4", 0), by_dtype.get("float32", 0)
+    notes.append(
+        f"AI Edge Quantizer {spec.mode.value} ({int4_granularity}): {len(float_model)} -> {len(quantized)} bytes; "
+        f"{int4} bytes of INT4 weights, {float32} bytes still float32"
+    )
+    if int4 == 0 or float32 > 4 * int4:
+        notes.append(
+            f"most weights stayed float: AI Edge Quantizer applies {int4_granularity} INT4 to only some ops "
+            "(blockwise: FULLY_CONNECTED); use --int4-granularity channel for convolutions"
+        )
+    return quantized
 
 
 def _convert_with_plan(keras_model, plan, dataset, samples, granularity, notes) -> bytes:

@@ -199,3 +199,98 @@ def test_model_without_quantizable_layers(cli, tmp_path):
     path = tmp_path / "flat.keras"
     keras.Sequential([keras.layers.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Softmax()]).save(path)
     assert_one_line_error(cli("analyze", "weights", path), "no quantizable layers")
+
+
+@pytest.mark.parametrize("mode", ["int4-weights", "int4-dynamic"])
+def test_int4_ptq_through_ai_edge_quantizer_runs_in_litert(cli, digits_run, tmp_path, mode):
+    out = tmp_path / f"{mode}.tflite"
+    result = cli("convert", digits_run.fp32_model, f"--{mode}", "--out", out)
+    assert result.exit_code == 0, result.output
+    from edgeq.runtime.flatbuffer import bytes_by_dtype, read_tflite
+
+    by_dtype = bytes_by_dtype(read_tflite(out))
+    assert by_dtype.get("int4", 0) > 10 * by_dtype.get("float32", 0)  # the weights really are 4-bit
+    ev = evaluate(out, digits_run.fp32_model, "digits")
+    assert ev.drop_pp <= 2.0 and ev.size_ratio < 0.2
+
+
+def test_blockwise_int4_says_which_weights_stayed_float(cli, digits_run, tmp_path):
+    result = cli(
+        "convert",
+        digits_run.fp32_model,
+        "--int4-weights",
+        "--int4-granularity",
+        "block32",
+        "--out",
+        tmp_path / "b.tflite",
+    )
+    assert result.exit_code == 0, result.output
+    assert "still float32" in result.stdout
+
+
+def test_qat_4bit_export_stores_packed_int4_weights(digits_run, tmp_path):
+    from edgeq.convert import convert
+    from edgeq.runtime.flatbuffer import bytes_by_dtype, read_tflite, tensors_by_dtype
+    from edgeq.train.fit import TrainConfig, train
+
+    run = train(
+        TrainConfig(
+            model=str(digits_run.fp32_model),
+            data="digits",
+            out_dir=str(tmp_path / "w4"),
+            epochs=0,
+            qat_epochs=1,
+            weight_bits=4,
+        )
+    )
+    w4 = convert(run.qat_model, tmp_path / "w4.tflite", mode="int8-only")
+    desc = read_tflite(w4.path)
+    assert tensors_by_dtype(desc).get("int4") == 4  # three convs and the dense layer
+    w8 = convert(digits_run.qat_model, tmp_path / "w8.tflite", mode="int8-only")
+    int4_bytes, int8_bytes = bytes_by_dtype(desc)["int4"], bytes_by_dtype(read_tflite(w8.path))["int8"]
+    assert int4_bytes <= 0.55 * int8_bytes  # two weights per byte (plus per-channel params)
+    assert w4.size_bytes < 0.7 * w8.size_bytes
+
+
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-channel"])
+def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granularity):
+    from edgeq.compat import load_keras_model
+    from edgeq.convert import convert
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    d = load_dataset("digits")
+    reference = load_keras_model(digits_run.fp32_model).predict(d.x_test, verbose=0)
+    mse = {}
+    for corrected in (False, True):
+        r = convert(
+            digits_run.fp32_model,
+            tmp_path / f"bc{corrected}.tflite",
+            mode="int8-only",
+            calib="digits",
+            granularity=granularity,
+            bias_correct=corrected,
+        )
+        mse[corrected] = float(np.mean((TFLiteModel(r.path).predict(d.x_test) - reference) ** 2))
+    assert mse[True] < 0.95 * mse[False], mse
+
+
+def test_equalize_reduces_int8_output_error_on_unbalanced_channels(outlier_model, tmp_path):
+    from edgeq.compat import load_keras_model
+    from edgeq.convert import convert
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    d = load_dataset("digits")
+    reference = load_keras_model(outlier_model).predict(d.x_test, verbose=0)
+    mse = {}
+    for equalized in (False, True):
+        r = convert(
+            outlier_model,
+            tmp_path / f"eq{equalized}.tflite",
+            mode="int8",
+            calib="digits",
+            granularity="per-tensor",
+            equalize=equalized,
+            min_sqnr_db=-100,
+        )
+        mse[equalized] = float(np.mean((TFLiteModel(r.path).predict(d.x_test) - reference) ** 2))
+    assert mse[True] < 0.1 * mse[False], mse

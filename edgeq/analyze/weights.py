@@ -19,6 +19,7 @@ OUTLIER_SIGMA = 3.0
 INT4_SAFE_SQNR_DB = 14.0  # INT4 per-channel weights that keep this much SQNR rarely cost accuracy
 INT8_MIN_SQNR_DB = 30.0
 PER_CHANNEL_GAIN_DB = 6.0  # one bit's worth: per-channel is clearly needed
+BIAS_SHIFT_LIMIT = 0.01  # INT8 error that does not average out: 1% of a channel's weight mass
 CHANNEL_SPREAD_LIMIT = 8.0  # one channel's range 8x the median wastes 3 bits of the others under one scale
 
 
@@ -51,6 +52,7 @@ class WeightReport:
     kurtosis: float  # excess kurtosis: 0 for a Gaussian, large for outlier-heavy weights
     outlier_fraction: float  # share of weights beyond OUTLIER_SIGMA standard deviations
     channel_range_spread: float  # largest / median per-channel range
+    bias_shift: float = 0.0  # largest |sum of INT8 per-tensor weight error| of a channel / its sum |w|
     errors: tuple[QuantError, ...] = field(default_factory=tuple)
     recommendation: str = ""
 
@@ -160,18 +162,23 @@ def analyze_layer(layer: LayerWeights, seed: int = 0) -> WeightReport:
         )
         q = fake_quantize(w, spec, seed=seed)
         errors.append(QuantError(bits, gran, scheme, rounding, float(np.mean((q - w) ** 2)), float(sqnr_db(w, q))))
+    per_tensor = fake_quantize(w, QuantSpec(bits=8, symmetric=True, narrow_range=True)).reshape(-1, w.shape[-1])
+    error_sum = np.abs((per_tensor - channels).sum(axis=0))
+    magnitude = np.abs(channels).sum(axis=0)
+    bias_shift = float(np.max(np.where(magnitude > 0, error_sum / np.where(magnitude > 0, magnitude, 1), 0.0)))
     report = WeightReport(
-        layer.name,
-        layer.kind,
-        tuple(int(d) for d in w.shape),
-        float(flat.min()),
-        float(flat.max()),
-        mean,
-        std,
-        _kurtosis(flat),
-        outliers,
-        spread,
-        tuple(errors),
+        name=layer.name,
+        kind=layer.kind,
+        shape=tuple(int(d) for d in w.shape),
+        min=float(flat.min()),
+        max=float(flat.max()),
+        mean=mean,
+        std=std,
+        kurtosis=_kurtosis(flat),
+        outlier_fraction=outliers,
+        channel_range_spread=spread,
+        bias_shift=bias_shift,
+        errors=tuple(errors),
     )
     return _with_recommendation(report)
 
@@ -185,6 +192,8 @@ def _with_recommendation(r: WeightReport) -> WeightReport:
         advice.append("needs per-channel")
     if r.channel_range_spread >= CHANNEL_SPREAD_LIMIT:
         advice.append("--equalize would help")
+    if r.bias_shift >= BIAS_SHIFT_LIMIT:
+        advice.append("--bias-correct would help")
     if c8 < INT8_MIN_SQNR_DB or r.kurtosis > 20:
         advice.append("keep >= 8 bit (outliers)")
     elif c4 >= INT4_SAFE_SQNR_DB and r.kurtosis < 5:

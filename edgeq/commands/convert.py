@@ -15,6 +15,8 @@ MODE_FLAGS = {
     "int8": "full integer with float I/O (float fallback allowed)",
     "int8-only": "integer-only: TFLITE_BUILTINS_INT8, int8 I/O, refuses float ops",
     "int16x8": "16-bit activations, 8-bit weights",
+    "int4-weights": "INT4 weight-only (AI Edge Quantizer), float compute",
+    "int4-dynamic": "INT4 weights, dynamic-range activations (AI Edge Quantizer)",
 }
 
 
@@ -45,13 +47,36 @@ def _mode_options(func):
     help="Input/output type with --int8-only (uint8 for Coral).",
 )
 @click.option("--min-sqnr", type=float, help="Verification threshold in dB (default: per mode).")
+@click.option(
+    "--int4-granularity",
+    type=click.Choice(["channel", "block32", "block64", "block128", "block256"]),
+    default="channel",
+    show_default=True,
+    help="Weight granularity for --int4-weights/--int4-dynamic: per channel or blockwise.",
+)
 @click.option("--equalize", is_flag=True, help="Cross-layer equalization before PTQ (BN folded first).")
+@click.option("--bias-correct", is_flag=True, help="Shift biases by the expected weight-quantization error (PTQ).")
 @click.option("--plan", type=click.Path(), help="Layer-wise plan from `edgeq analyze plan`: those layers stay float.")
 @click.option(
     "--edgetpu", is_flag=True, help="Coral: static batch 1, Edge TPU check, and edgetpu_compiler if it is on PATH."
 )
 @click.option("--json", "json_out", is_flag=True, help="Print the result as JSON.")
-def convert(model, mode, out, calib, calib_samples, granularity, io_type, min_sqnr, equalize, plan, edgetpu, json_out):
+def convert(
+    model,
+    mode,
+    out,
+    calib,
+    calib_samples,
+    granularity,
+    io_type,
+    min_sqnr,
+    int4_granularity,
+    equalize,
+    bias_correct,
+    plan,
+    edgetpu,
+    json_out,
+):
     """Convert MODEL (.keras/.h5/SavedModel; a QAT model needs no calibration) to TFLite,
     then load it in LiteRT and verify it against MODEL before writing it."""
     import json
@@ -71,6 +96,8 @@ def convert(model, mode, out, calib, calib_samples, granularity, io_type, min_sq
         edgetpu=edgetpu,
         equalize=equalize,
         plan=plan,
+        int4_granularity=int4_granularity,
+        bias_correct=bias_correct,
     )
     if json_out:
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
