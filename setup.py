@@ -7,7 +7,7 @@ TensorFlow and TF-MOT: `pip install "edgeq[train]"`.
 import re
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "edgeq" / "__init__.py").read_text()).group(1)
@@ -19,7 +19,8 @@ setup(
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["edgeq", "edgeq.commands", "edgeq.runtime", "edgeq.train", "edgeq.models"],
+    # Every edgeq.* package with an __init__.py, plus the recipes folder mapped in below.
+    packages=find_packages(include=["edgeq", "edgeq.*"]) + ["edgeq.models"],
     # Reference-model recipes live in the top-level models/ folder and ship inside the
     # package as edgeq.models, so an installed edgeq finds them without the checkout.
     package_dir={"edgeq.models": "models"},
@@ -40,7 +41,15 @@ setup(
             "tensorflow-model-optimization==0.8.1",
             "scikit-learn>=1.3",
             "pillow>=9",
+            "matplotlib>=3.7",
+            # INT4 post-training quantization (weight-only / dynamic, per-channel / blockwise).
+            "ai-edge-quantizer==0.10.0",
             "tqdm>=4.60",
+            "tomli>=2; python_version<'3.11'",
+        ],
+        # Host side of `edgeq push/devices/profile --on`: SSH to the devices.
+        "deploy": [
+            "paramiko>=3.4",
         ],
         "dev": [
             "pytest>=8",

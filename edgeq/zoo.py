@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-import tomllib
-
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
 from edgeq.errors import UsageError
 
 

@@ -16,8 +16,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
-
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
 from edgeq.errors import UsageError
 
 VALID_WEIGHT_BITS = (2, 3, 4, 5, 6, 7, 8)

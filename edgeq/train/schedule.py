@@ -12,8 +12,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import tomllib
-
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
 from edgeq.errors import UsageError
 
 
