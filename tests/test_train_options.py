@@ -359,3 +359,16 @@ def test_conv_followed_by_relu_layer_keeps_4bit_weight_quantization(tmp_path):
     assert len(kernels) == 2
     for w in kernels:
         assert max(len(np.unique(w[c])) for c in range(w.shape[0])) <= 16
+
+
+def test_qat_stage_keeps_the_float_models_loss(digits_run):
+    """A QAT model ends in a wrapper: its softmax must still be seen (no softmax applied twice)."""
+    from edgeq.train import schemes
+
+    model = load_keras_model(digits_run.fp32_model)
+    qat = schemes.build_qat_model(model, schemes.QuantSettings(weight_bits=4))
+    _compile(qat, 1e-4)
+    assert qat.loss.get_config()["from_logits"] is False
+    logits_model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(3)])
+    _compile(logits_model, 1e-3)
+    assert logits_model.loss.get_config()["from_logits"] is True

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
 MARK = "<!-- section: {} -->"
+SECTIONS = ("host", "precision", "device")
 
 
 def _cpu() -> str:
@@ -33,7 +34,7 @@ def _cpu() -> str:
 
 def _sections(text: str) -> dict[str, str]:
     found = {}
-    for name in ("host", "device"):
+    for name in SECTIONS:
         start = text.find(MARK.format(name))
         if start < 0:
             continue
@@ -44,7 +45,7 @@ def _sections(text: str) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["host", "device"])
+    parser.add_argument("--only", choices=["host", "precision", "device"])
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -53,6 +54,10 @@ def main() -> None:
         import bench_host
 
         sections["host"] = bench_host.run()
+    if args.only in (None, "precision"):
+        import bench_precision
+
+        sections["precision"] = bench_precision.run()
     if args.only in (None, "device"):
         import bench_device
 
@@ -64,7 +69,7 @@ def main() -> None:
         f"- updated: {datetime.date.today().isoformat()}; CPU: {_cpu()}, {os.cpu_count()} cores; "
         f"Python {platform.python_version()}\n"
     )
-    body = "".join(f"\n{MARK.format(name)}\n{sections[name]}" for name in ("host", "device") if name in sections)
+    body = "".join(f"\n{MARK.format(name)}\n{sections[name]}" for name in SECTIONS if name in sections)
     from edgeq.artifacts import write_bytes_atomic
 
     write_bytes_atomic(out, (header + body).encode())

@@ -109,9 +109,18 @@ def load_user_model(path: str | Path):
 
 
 def _output_is_probability(model) -> bool:
+    """Whether the model ends in a softmax (probabilities) rather than logits.
+
+    Sees through TF-MOT's QuantizeWrapper and QuantizeAwareActivation, so a QAT model
+    gets the same loss as the float model it came from.
+    """
     last = model.layers[-1]
-    activation = getattr(last, "activation", None)
-    return type(last).__name__ == "Softmax" or getattr(activation, "__name__", "") == "softmax"
+    inner = getattr(last, "layer", last)
+    if type(inner).__name__ == "Softmax":
+        return True
+    activation = getattr(inner, "activation", None)
+    activation = getattr(activation, "activation", activation)  # QuantizeAwareActivation wraps the function
+    return getattr(activation, "__name__", "") == "softmax"
 
 
 def _compile(model, learning_rate: float, clip_norm=None, clip_value=None) -> None:
