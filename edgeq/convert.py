@@ -467,6 +467,15 @@ def _convert_with_plan(keras_model, plan, dataset, samples, granularity, notes) 
     names = [layer.name for layer in keras_model.layers]
     resolved = LayerConfig.load(plan).resolve(names, LayerPrecision())
     float_layers = [name for name, p in resolved.items() if p.keep_float]
+    int4_layers = [name for name, p in resolved.items() if not p.keep_float and p.weight_bits == 4]
+    if int4_layers:
+        from edgeq.analyze.plan import int4_weight_copy
+
+        keras_model = int4_weight_copy(keras_model, int4_layers)
+        notes.append(
+            f"plan: {len(int4_layers)} layer(s) with INT4-valued weights ({', '.join(int4_layers)}); the TFLite "
+            "converter stores them in int8 containers: for packed INT4, QAT with edgeq train --layer-config PLAN"
+        )
     cal = calibrate(keras_model, dataset, samples, per_tensor=granularity == "per-tensor")
     nodes = cal.nodes_of_layers(float_layers)
     notes.append(

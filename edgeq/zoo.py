@@ -36,6 +36,11 @@ class Recipe:
     fp32_min_accuracy: float = 0.0
 
 
+# Small datasets give few steps per epoch: with Keras' default momentum (0.99) the moving
+# statistics lag the weights and inference-mode accuracy sits at chance.
+BN_MOMENTUM = 0.9
+
+
 def _layers():
     from edgeq.compat import keras
 
@@ -71,14 +76,14 @@ def ds_cnn(input_shape=(49, 10, 1), num_classes=12, filters: int = 64):
     keras, L = _layers()
     inputs = L.Input(input_shape, name="input")
     h = L.Conv2D(filters, (10, 4), strides=(2, 2), padding="same", use_bias=False, name="conv1")(inputs)
-    h = L.BatchNormalization(name="bn1")(h)
+    h = L.BatchNormalization(momentum=BN_MOMENTUM, name="bn1")(h)
     h = L.ReLU(name="relu1")(h)
     for i in range(4):
         h = L.DepthwiseConv2D(3, padding="same", use_bias=False, name=f"dw{i + 1}")(h)
-        h = L.BatchNormalization(name=f"dw{i + 1}_bn")(h)
+        h = L.BatchNormalization(momentum=BN_MOMENTUM, name=f"dw{i + 1}_bn")(h)
         h = L.ReLU(name=f"dw{i + 1}_relu")(h)
         h = L.Conv2D(filters, 1, use_bias=False, name=f"pw{i + 1}")(h)
-        h = L.BatchNormalization(name=f"pw{i + 1}_bn")(h)
+        h = L.BatchNormalization(momentum=BN_MOMENTUM, name=f"pw{i + 1}_bn")(h)
         h = L.ReLU(name=f"pw{i + 1}_relu")(h)
     h = L.AveragePooling2D(pool_size=tuple(int(d) for d in h.shape[1:3]), name="avgpool")(h)
     h = L.Flatten(name="flatten")(h)
@@ -91,15 +96,15 @@ def resnet8(input_shape=(32, 32, 3), num_classes=10):
     keras, L = _layers()
     inputs = L.Input(input_shape, name="input")
     h = L.Conv2D(16, 3, padding="same", use_bias=False, name="conv1")(inputs)
-    h = L.BatchNormalization(name="bn1")(h)
+    h = L.BatchNormalization(momentum=BN_MOMENTUM, name="bn1")(h)
     h = L.ReLU(name="relu1")(h)
     for stack, (channels, stride) in enumerate(((16, 1), (32, 2), (64, 2)), start=1):
         shortcut = h
         y = L.Conv2D(channels, 3, strides=stride, padding="same", use_bias=False, name=f"s{stack}_conv1")(h)
-        y = L.BatchNormalization(name=f"s{stack}_bn1")(y)
+        y = L.BatchNormalization(momentum=BN_MOMENTUM, name=f"s{stack}_bn1")(y)
         y = L.ReLU(name=f"s{stack}_relu1")(y)
         y = L.Conv2D(channels, 3, padding="same", use_bias=False, name=f"s{stack}_conv2")(y)
-        y = L.BatchNormalization(name=f"s{stack}_bn2")(y)
+        y = L.BatchNormalization(momentum=BN_MOMENTUM, name=f"s{stack}_bn2")(y)
         if stride != 1 or int(shortcut.shape[-1]) != channels:
             shortcut = L.Conv2D(channels, 1, strides=stride, name=f"s{stack}_shortcut")(shortcut)
         h = L.Add(name=f"s{stack}_add")([y, shortcut])

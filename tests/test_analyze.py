@@ -294,3 +294,47 @@ def test_equalize_reduces_int8_output_error_on_unbalanced_channels(outlier_model
         )
         mse[equalized] = float(np.mean((TFLiteModel(r.path).predict(d.x_test) - reference) ** 2))
     assert mse[True] < 0.1 * mse[False], mse
+
+
+def test_int4_plan_feeds_qat_which_exports_packed_int4_exactly_there(cli, digits_run, tmp_path):
+    plan = tmp_path / "plan4.json"
+    result = cli(
+        "analyze",
+        "plan",
+        digits_run.fp32_model,
+        "--data",
+        "digits",
+        "--max-drop",
+        "1.0",
+        "--int4",
+        "--out",
+        plan,
+        "--calib-samples",
+        "50",
+    )
+    assert result.exit_code == 0, result.output
+    saved = json.loads(plan.read_text())
+    int4_layers = sorted(name for name, v in saved["layers"].items() if v == {"weight_bits": 4})
+    assert saved["met"] and int4_layers, saved["layers"]
+    assert any(p["int4_layers"] for p in saved["frontier"])
+    out = tmp_path / "qat"
+    trained = cli(
+        "train",
+        digits_run.fp32_model,
+        "--data",
+        "digits",
+        "--epochs",
+        "0",
+        "--qat-epochs",
+        "1",
+        "--layer-config",
+        plan,
+        "--out",
+        out,
+    )
+    assert trained.exit_code == 0, trained.output
+    from edgeq.convert import convert
+    from edgeq.runtime.flatbuffer import read_tflite, tensors_by_dtype
+
+    tfl = convert(out / "qat.h5", tmp_path / "mixed.tflite", mode="int8-only")
+    assert tensors_by_dtype(read_tflite(tfl.path)).get("int4", 0) == len(int4_layers)

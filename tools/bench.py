@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
 MARK = "<!-- section: {} -->"
-SECTIONS = ("host", "precision", "device")
+SECTIONS = ("host", "precision", "analyze", "device")
 
 
 def _cpu() -> str:
@@ -45,7 +45,7 @@ def _sections(text: str) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["host", "precision", "device"])
+    parser.add_argument("--only", choices=list(SECTIONS))
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -58,6 +58,10 @@ def main() -> None:
         import bench_precision
 
         sections["precision"] = bench_precision.run()
+    if args.only in (None, "analyze"):
+        import bench_analyze
+
+        sections["analyze"] = bench_analyze.run()
     if args.only in (None, "device"):
         import bench_device
 

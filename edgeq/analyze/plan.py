@@ -25,7 +25,8 @@ class PlanPoint:
     float_layers: tuple[str, ...]
     accuracy: float
     drop_pp: float
-    size_bytes: int
+    size_bytes: int  # with INT4 layers: the INT8 file minus half of their weight bytes (two per byte)
+    int4_layers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,26 @@ class PlanResult:
     seconds: float
 
 
+def int4_weight_copy(model, layers: list[str]):
+    """A copy of ``model`` whose ``layers`` carry per-channel INT4 weights (16 levels), for measuring."""
+    from edgeq.compat import keras
+    from edgeq.numerics import QuantSpec, fake_quantize
+
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    spec = QuantSpec(bits=4, symmetric=True, narrow_range=True, axis=-1)
+    for name in layers:
+        layer = clone.get_layer(name)
+        weights = layer.get_weights()
+        weights[0] = fake_quantize(weights[0], spec).astype(weights[0].dtype)
+        layer.set_weights(weights)
+    return clone
+
+
+def _weight_count(model, layers) -> int:
+    return sum(int(model.get_layer(name).get_weights()[0].size) for name in layers)
+
+
 def make_plan(
     model_path,
     data: str,
@@ -51,6 +72,7 @@ def make_plan(
     split: str = "val",
     per_tensor: bool = False,
     progress=None,
+    int4: bool = False,
 ) -> PlanResult:
     from edgeq.data import load_dataset
     from edgeq.train.fit import load_user_model
@@ -88,6 +110,30 @@ def make_plan(
         frontier.append(measure(chosen))
     meeting = [p for p in frontier if p.drop_pp <= max_drop_pp]
     best = meeting[0] if meeting else max(frontier, key=lambda p: (p.accuracy, -len(p.float_layers)))
+    if int4 and meeting:
+        # INT4 weights wherever the budget still holds, least sensitive layers first.
+        weighted = {la.name for la in model.layers if type(la).__name__ in ("Conv2D", "DepthwiseConv2D", "Dense")}
+        candidates = sorted(
+            (r for r in ranked if r.layer in weighted and r.layer not in best.float_layers),
+            key=lambda r: (r.loss_pp, r.mse_only_this),
+        )
+        accepted: list[str] = []
+        for candidate in candidates:
+            trial = [*accepted, candidate.layer]
+            trial_cal = calibrate(int4_weight_copy(model, trial), dataset, samples, per_tensor)
+            model_bytes = trial_cal.quantize(trial_cal.nodes_of_layers(best.float_layers))
+            acc = float(np.mean(predict(model_bytes, x).argmax(-1) == y))
+            point = PlanPoint(
+                best.float_layers,
+                acc,
+                round((fp32_acc - acc) * 100, 4),
+                len(model_bytes) - _weight_count(model, trial) // 2,
+                tuple(trial),
+            )
+            frontier.append(point)
+            if point.drop_pp <= max_drop_pp:
+                accepted = trial
+                best = point
     out = Path(out)
     write_json_atomic(
         out,
@@ -103,7 +149,10 @@ def make_plan(
             "drop_pp": best.drop_pp,
             "size_bytes": best.size_bytes,
             "granularity": "per-tensor" if per_tensor else "per-channel",
-            "layers": {name: "float" for name in best.float_layers},
+            "layers": {
+                **{name: "float" for name in best.float_layers},
+                **{name: {"weight_bits": 4} for name in best.int4_layers},
+            },
             "ranking": ranking,
             "frontier": [asdict(p) for p in frontier],
         },

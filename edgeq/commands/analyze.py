@@ -182,24 +182,26 @@ def sensitivity(model, data, method, calib_samples, split, granularity, json_pat
 @click.option(
     "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
 )
+@click.option("--int4", is_flag=True, help="Then INT4 weights on the least sensitive layers, within the budget.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Size/accuracy frontier PNG.")
-def plan(model, data, max_drop, out, calib_samples, split, granularity, plot_path):
+def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, plot_path):
     """Start from full INT8 and keep the most sensitive layers float until the accuracy
     drop is within --max-drop. The best plan is always saved; use it with
     `edgeq convert MODEL --int8 --plan PLAN` or `edgeq train --layer-config PLAN`."""
     from edgeq.analyze.plan import make_plan, save_frontier_chart
     from edgeq.errors import QualityGateError
 
-    result = make_plan(model, data, max_drop, out, calib_samples, split, granularity == "per-tensor")
+    result = make_plan(model, data, max_drop, out, calib_samples, split, granularity == "per-tensor", int4=int4)
     click.echo(
         f"{result.data}: FP32 {result.fp32_accuracy:.2%}, full INT8 {result.int8_accuracy:.2%}, budget {max_drop:g} pp"
     )
     click.echo(
         table(
-            ["layers kept float", "accuracy", "drop pp", "size KiB"],
+            ["layers kept float", "INT4 weights", "accuracy", "drop pp", "size KiB"],
             [
                 (
                     ", ".join(p.float_layers) or "(none: full INT8)",
+                    ", ".join(p.int4_layers) or "-",
                     f"{p.accuracy:.2%}",
                     f"{p.drop_pp:+.2f}",
                     f"{p.size_bytes / 1024:.1f}",
