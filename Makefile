@@ -22,11 +22,14 @@ demo: $(STAMP)
 	$(EDGEQ) convert $(DEMO)/qat.h5 --int8-only --out $(DEMO)/digits_int8.tflite
 	$(EDGEQ) eval $(DEMO)/digits_int8.tflite --reference $(DEMO)/fp32.keras --data digits --json $(DEMO)/eval.json
 
+# deploy/test-env.sh: a real sshd, qemu-user and the emulated Raspberry Pi 4 for tests/fleet.
 test: $(STAMP)
+	bash deploy/test-env.sh
 	$(PY) -m pytest -q
 
 # Everything, the slow tests (bigger models) included.
 test-all: $(STAMP)
+	bash deploy/test-env.sh
 	EDGEQ_SLOW=1 $(PY) -m pytest -q
 
 check: $(STAMP)

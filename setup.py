@@ -50,6 +50,8 @@ setup(
         # Host side of `edgeq push/devices/profile --on`: SSH to the devices.
         "deploy": [
             "paramiko>=3.4",
+            "pyyaml>=6",  # Ansible-style YAML inventories
+            "tomli>=2; python_version<'3.11'",
         ],
         "dev": [
             "pytest>=8",

@@ -29,6 +29,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "profile",
         "Latency, memory and accuracy of a .tflite model (no TensorFlow).",
     ),
+    "devices": ("edgeq.commands.devices", "devices", "The device inventory, and what each device has (over SSH)."),
+    "push": ("edgeq.commands.push", "push", "Push models (and the edgeq runtime) to devices over SSH."),
+    "verify": ("edgeq.commands.verify", "verify", "Compare a device's outputs with this host's interpreter."),
     "inspect": (
         "edgeq.commands.inspect",
         "inspect",

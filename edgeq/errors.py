@@ -59,3 +59,39 @@ class TrainingInterrupted(EdgeqError):
     """Training stopped (Ctrl-C); completed epochs are in the checkpoint."""
 
     exit_code = 130
+
+
+class InventoryError(EdgeqError):
+    """The device inventory is missing, malformed, or names no such device."""
+
+    exit_code = 2
+
+
+class DeviceError(EdgeqError):
+    """A device could not be reached, bootstrapped, or did not finish its work."""
+
+    exit_code = 5
+
+
+class HostKeyError(DeviceError):
+    """A device's SSH host key is unknown or differs from the one in known_hosts."""
+
+
+class TransferError(DeviceError):
+    """An upload or download did not complete, or its sha256 did not match."""
+
+
+class UnsafePathError(EdgeqError):
+    """A file name or remote path that would escape the device's work directory."""
+
+    exit_code = 2
+
+
+class VerificationMismatch(EdgeqError):
+    """The device's outputs differ from the host interpreter's beyond the tolerance."""
+
+    exit_code = 4
+
+
+class ConnectionLost(DeviceError):
+    """The SSH connection failed or dropped: worth a retry with backoff."""

@@ -44,6 +44,19 @@ def digits_int8(digits_run):
 
 
 @pytest.fixture
+def finetune(digits_run):
+    """QAT (no FP32 epochs) from the trained digits FP32 model, with the given options."""
+    from edgeq.train.fit import TrainConfig, train
+
+    def run(out_dir, **options):
+        return train(
+            TrainConfig(model=str(digits_run.fp32_model), data="digits", out_dir=str(out_dir), epochs=0, **options)
+        )
+
+    return run
+
+
+@pytest.fixture
 def cli():
     """Invoke `edgeq ...` in-process; returns click's Result (exit_code, stdout, stderr)."""
     from click.testing import CliRunner

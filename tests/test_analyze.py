@@ -228,21 +228,11 @@ def test_blockwise_int4_says_which_weights_stayed_float(cli, digits_run, tmp_pat
     assert "still float32" in result.stdout
 
 
-def test_qat_4bit_export_stores_packed_int4_weights(digits_run, tmp_path):
+def test_qat_4bit_export_stores_packed_int4_weights(digits_run, finetune, tmp_path):
     from edgeq.convert import convert
     from edgeq.runtime.flatbuffer import bytes_by_dtype, read_tflite, tensors_by_dtype
-    from edgeq.train.fit import TrainConfig, train
 
-    run = train(
-        TrainConfig(
-            model=str(digits_run.fp32_model),
-            data="digits",
-            out_dir=str(tmp_path / "w4"),
-            epochs=0,
-            qat_epochs=1,
-            weight_bits=4,
-        )
-    )
+    run = finetune(tmp_path / "w4", qat_epochs=1, weight_bits=4)
     w4 = convert(run.qat_model, tmp_path / "w4.tflite", mode="int8-only")
     desc = read_tflite(w4.path)
     assert tensors_by_dtype(desc).get("int4") == 4  # three convs and the dense layer

@@ -25,6 +25,8 @@ EXPECTED = {  # mode: (input dtype, dtypes that must appear among the weights)
     "int8": ("float32", {"int8"}),
     "int8-only": ("int8", {"int8"}),
     "int16x8": ("float32", {"int16"}),
+    "int4-weights": ("float32", {"int4"}),
+    "int4-dynamic": ("float32", {"int4"}),
 }
 
 
@@ -35,7 +37,9 @@ def test_every_mode_converts_ptq_and_verifies(digits_run, tmp_path, mode):
     model = TFLiteModel(result.path, use_default_delegates=False)
     io_dtype, weight_dtypes = EXPECTED[mode]
     assert model.input.dtype == io_dtype and model.output.dtype == io_dtype
-    dtypes = {np.dtype(d["dtype"]).name for d in model.interpreter.get_tensor_details()}
+    from edgeq.runtime.flatbuffer import read_tflite, tensors_by_dtype
+
+    dtypes = set(tensors_by_dtype(read_tflite(result.path)))  # LiteRT reports INT4 tensors as int8
     assert weight_dtypes <= dtypes, dtypes
     assert result.manifest.is_file()
 

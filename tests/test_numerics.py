@@ -9,8 +9,13 @@ from edgeq.numerics import QuantSpec, compute_params, dequantize, fake_quantize,
 
 finite = st.floats(-100, 100, allow_nan=False, allow_infinity=False, width=32)
 tensors = arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 6)), elements=finite)
-specs = st.builds(QuantSpec, bits=st.integers(2, 8), symmetric=st.booleans(), narrow_range=st.booleans(),
-                  axis=st.sampled_from([None, 0, 1, -1]))
+specs = st.builds(
+    QuantSpec,
+    bits=st.integers(2, 8),
+    symmetric=st.booleans(),
+    narrow_range=st.booleans(),
+    axis=st.sampled_from([None, 0, 1, -1]),
+)
 
 
 @given(tensors, specs)
@@ -45,8 +50,11 @@ def test_int4_pack_then_unpack_is_the_identity(q):
     assert np.array_equal(unpack_int4(packed, q.size), q)
 
 
-@given(arrays(np.float32, st.tuples(st.integers(2, 8), st.integers(1, 5)), elements=finite), st.integers(2, 8),
-       st.booleans())
+@given(
+    arrays(np.float32, st.tuples(st.integers(2, 8), st.integers(1, 5)), elements=finite),
+    st.integers(2, 8),
+    st.booleans(),
+)
 @settings(max_examples=200, deadline=None)
 def test_per_channel_error_is_within_the_per_tensor_bound(x, bits, symmetric):
     """Every channel's step is at most the tensor's, so its worst error is too."""

@@ -94,7 +94,7 @@ def test_stepped_schedule_runs_and_reports_each_stage(cli, digits_run, tmp_path)
         assert len(stage["epochs"]) == 1 and stage["final"]["test_accuracy"] > 0.9
 
 
-def test_stepped_8bit_quantizes_layer_groups_from_the_input(digits_run, tmp_path):
+def test_stepped_8bit_quantizes_layer_groups_from_the_input(digits_run, finetune, tmp_path):
     from edgeq.train import schemes
 
     model = load_keras_model(digits_run.fp32_model)
@@ -104,31 +104,12 @@ def test_stepped_8bit_quantizes_layer_groups_from_the_input(digits_run, tmp_path
     wrapped = {layer.name for layer in partial.layers if layer.name.startswith("quant_")}
     assert "quant_conv1" in wrapped and "quant_bn1" in wrapped
     assert "quant_conv3" not in wrapped and "quant_logits" not in wrapped
-    result = train(
-        TrainConfig(
-            model=str(digits_run.fp32_model),
-            data="digits",
-            out_dir=str(tmp_path / "s8"),
-            epochs=0,
-            qat_epochs=2,
-            schedule="stepped",
-        )
-    )
+    result = finetune(tmp_path / "s8", qat_epochs=2, schedule="stepped")
     assert [s.name for s in result.stages] == ["qat-input-half", "qat-w8a8"]
 
 
-def test_per_tensor_symmetric_qat_exports_one_scale_per_weight_and_zero_points_of_zero(digits_run, tmp_path):
-    run = train(
-        TrainConfig(
-            model=str(digits_run.fp32_model),
-            data="digits",
-            out_dir=str(tmp_path / "pt"),
-            epochs=0,
-            qat_epochs=2,
-            granularity="per-tensor",
-            activations="symmetric",
-        )
-    )
+def test_per_tensor_symmetric_qat_exports_one_scale_per_weight_and_zero_points_of_zero(digits_run, finetune, tmp_path):
+    run = finetune(tmp_path / "pt", qat_epochs=2, granularity="per-tensor", activations="symmetric")
     assert run.stages[-1].test_accuracy > 0.9
     assert json.loads(run.run.read_text())["quantization"]["batchnorm_folded_before_qat"]
     tfl = convert(run.qat_model, tmp_path / "pt.tflite", mode="int8-only")
@@ -170,21 +151,11 @@ def test_per_channel_asymmetric_default_differs(digits_int8):
     assert model.input.zero_point == -128  # inputs in [0, 1]: the asymmetric range starts at the bottom
 
 
-def test_gradient_clipping_reaches_the_optimizer_and_the_run_record(digits_run, tmp_path):
+def test_gradient_clipping_reaches_the_optimizer_and_the_run_record(digits_run, finetune, tmp_path):
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
     _compile(model, 1e-3, clip_norm=0.5, clip_value=None)
     assert model.optimizer.clipnorm == 0.5
-    run = train(
-        TrainConfig(
-            model=str(digits_run.fp32_model),
-            data="digits",
-            out_dir=str(tmp_path / "clip"),
-            epochs=0,
-            qat_epochs=1,
-            clip_norm=1.0,
-            clip_value=0.1,
-        )
-    )
+    run = finetune(tmp_path / "clip", qat_epochs=1, clip_norm=1.0, clip_value=0.1)
     config = json.loads(run.run.read_text())["config"]
     assert config["clip_norm"] == 1.0 and config["clip_value"] == 0.1
 

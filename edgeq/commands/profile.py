@@ -126,6 +126,11 @@ def render(report) -> str:
 @click.option("--runtime", metavar="NAME", help="Force a backend: ai_edge_litert, tflite_runtime, tensorflow.")
 @click.option("--json", "json_out", metavar="OUT", help="Write the full result as JSON here.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on long runs).")
+@click.option("--on", "on_targets", multiple=True, metavar="NAME|tag:X|all", help="Run on these devices over SSH.")
+@click.option("--inventory", "-i", "inventory_path", metavar="PATH", help="Device inventory (with --on).")
+@click.option("--parallel", "-j", default=4, show_default=True, type=click.IntRange(1, 64), help="Devices at once.")
+@click.option("--results", "results_dir", default="results", show_default=True, help="With --on: JSON to DIR/DEVICE/.")
+@click.option("--accept-new-host-keys", is_flag=True, help="With --on: record unknown host keys (changed ones fail).")
 def profile(
     model: str,
     compare: str | None,
@@ -139,8 +144,36 @@ def profile(
     runtime: str | None,
     json_out: str | None,
     progress: bool | None,
+    on_targets: tuple[str, ...] = (),
+    inventory_path: str | None = None,
+    parallel: int = 4,
+    results_dir: str = "results",
+    accept_new_host_keys: bool = False,
 ) -> None:
-    """Latency, memory and accuracy of MODEL.tflite on this machine (no TensorFlow)."""
+    """Latency, memory and accuracy of MODEL.tflite on this machine (no TensorFlow).
+
+    With --on, on each device instead: the files are pushed, edgeq profile runs there and
+    its JSON comes back to RESULTS/DEVICE/; one table with a status column per device.
+    """
+    if on_targets:
+        from edgeq.fleet.remote import ProfileOptions
+
+        if json_out:
+            raise UsageError("--json writes a local run; with --on each device's JSON goes to --results DIR/DEVICE/")
+        parse_threads(threads_text)
+        options = ProfileOptions(
+            threads=threads_text,
+            runs=runs,
+            warmup=warmup,
+            min_seconds=min_seconds,
+            data=data,
+            labels=labels,
+            delegate=delegate,
+            runtime=runtime,
+            compare=compare,
+        )
+        _profile_fleet(model, options, on_targets, inventory_path, parallel, results_dir, accept_new_host_keys)
+        return
     from edgeq.runtime.profile import profile_model, report_to_dict, write_json
 
     report = profile_model(
@@ -160,3 +193,43 @@ def profile(
     if json_out:
         path = write_json(report_to_dict(report), json_out)
         click.echo(f"wrote {path}")
+
+
+def _profile_fleet(model, options, targets, inventory_path, parallel, results_dir, accept_new) -> None:
+    """``edgeq profile --on``: bounded parallelism, failures contained, non-zero exit if any failed."""
+    from edgeq.commands.devices import failed_exit, progress_printer, select_devices
+    from edgeq.errors import ModelLoadError
+    from edgeq.fleet.remote import for_each_device, profile_on
+
+    for path in [model, options.compare, options.data]:
+        if path and not Path(path).is_file():
+            raise ModelLoadError(f"{path}: no such file")
+    chosen = select_devices(inventory_path, targets, accept_new)
+    outcomes = for_each_device(
+        chosen,
+        lambda device, on_event: profile_on(device, model, options, results_dir, on_event),
+        parallel=parallel,
+        on_event=progress_printer(),
+    )
+    rows = []
+    for o in outcomes:
+        r = o.result
+        if r is None:
+            rows.append([o.device, "failed", "-", "-", "-", "-", "-", f"{o.seconds:.1f}", o.error or ""])
+            continue
+        rows.append(
+            [
+                o.device,
+                "ok",
+                r.machine,
+                r.runtime,
+                _ms(r.mean_ms),
+                _ms(r.median_ms),
+                _pct(r.accuracy),
+                f"{o.seconds:.1f}",
+                str(r.local_json),
+            ]
+        )
+    headers = ["device", "status", "arch", "runtime", "mean ms", "median ms", "accuracy", "seconds", "result / error"]
+    click.echo(format_table(headers, rows))
+    failed_exit(outcomes)

@@ -1,0 +1,79 @@
+"""``edgeq verify --on NAME MODEL --data FILE.npz``: the device's outputs vs this host's, bit for bit."""
+
+from __future__ import annotations
+
+import click
+
+from edgeq.commands.devices import (
+    failed_exit,
+    host_key_option,
+    inventory_option,
+    parallel_option,
+    progress_printer,
+    select_devices,
+)
+from edgeq.commands.profile import format_table
+
+
+@click.command("verify")
+@click.argument("model", metavar="MODEL.tflite")
+@click.option("--on", "targets", multiple=True, required=True, help="NAME, tag:X or all.")
+@click.option("--data", required=True, metavar="FILE.npz", help="Inputs (array x) run on both sides.")
+@click.option("--inputs", default="x", show_default=True, help="Name of the input array in --data.")
+@click.option("--limit", default=100, show_default=True, type=int, help="At most this many samples (0: all).")
+@click.option(
+    "--tolerance",
+    type=float,
+    help="Largest accepted |device - host| in output units (default: 0 = bit-exact for integer outputs, "
+    "1e-5 for float outputs, whose last bits may differ between CPUs).",
+)
+@click.option("--delegate", default="xnnpack", show_default=True, help="xnnpack | none (same on both sides).")
+@inventory_option
+@host_key_option
+@parallel_option
+def verify(model, targets, data, inputs, limit, tolerance, delegate, inventory_path, accept_new_host_keys, parallel):
+    """Run the same inputs on each device and on this host's interpreter; report agreement."""
+    from edgeq.fleet.remote import for_each_device, verify_on
+
+    chosen = select_devices(inventory_path, targets, accept_new_host_keys)
+    outcomes = for_each_device(
+        chosen,
+        lambda device, on_event: verify_on(
+            device, model, data, inputs=inputs, limit=limit or None, delegate=delegate, on_event=on_event
+        ),
+        parallel=parallel,
+        on_event=progress_printer(),
+    )
+    rows, mismatched = [], []
+    for o in outcomes:
+        r = o.result
+        if r is None:
+            rows.append([o.device, "failed", "-", "-", "-", "-", "-", o.error or ""])
+            continue
+        allowed = tolerance if tolerance is not None else (0.0 if r.output_dtype.startswith(("int", "uint")) else 1e-5)
+        ok = r.bit_exact or r.max_abs_diff <= allowed
+        if not ok:
+            mismatched.append(o.device)
+        agreement = "bit-exact" if r.bit_exact else f"max |diff| {r.max_abs_diff:g} ({r.max_abs_diff_float:.4g} float)"
+        rows.append(
+            [
+                o.device,
+                "ok" if ok else "MISMATCH",
+                r.device_machine,
+                r.device_runtime,
+                str(r.samples),
+                agreement,
+                f"{100 * r.top1_agreement:.1f}%",
+                "",
+            ]
+        )
+    headers = ["device", "status", "arch", "device runtime", "samples", "outputs vs host", "top-1 agree", "error"]
+    click.echo(format_table(headers, rows))
+    failed_exit(outcomes)
+    if mismatched:
+        from edgeq.errors import VerificationMismatch
+
+        raise VerificationMismatch(
+            f"{', '.join(mismatched)}: outputs differ from this host's interpreter beyond the tolerance "
+            "(bit-exact for integer outputs; set one with --tolerance)"
+        )

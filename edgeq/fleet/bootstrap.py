@@ -1,0 +1,295 @@
+"""Get edgeq onto a device once: probe it, then install the base runtime.
+
+Two ways, chosen by the inventory:
+
+* ``venv = PATH``: a virtualenv on the device with the base ``edgeq`` install. The wheel
+  built from this checkout is pushed; the wheels it needs come from PyPI when the device
+  is ``online``, else they are downloaded here for the device's platform and pushed too.
+* no ``venv``: nothing is installed with pip. The wheels are unpacked into
+  ``WORKDIR/site`` and edgeq runs as ``PYTHONPATH=WORKDIR/site python -m edgeq``. This is
+  for devices without pip or internet (and for the emulated Raspberry Pi 4 in the tests).
+
+Both are skipped when the device already has this exact wheel (a marker holds its sha256).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import edgeq
+from edgeq.errors import DeviceError
+from edgeq.fleet.push import device_python_c, push_files
+from edgeq.fleet.transport import Transport, confine
+
+log = logging.getLogger(__name__)
+
+PROBE_SCRIPT = Path(__file__).with_name("_probe.py")
+BASE_REQUIREMENTS = ("numpy", "click", "ai-edge-litert")
+WHEEL_CACHE = Path(os.environ.get("EDGEQ_WHEEL_CACHE", "~/.cache/edgeq/wheels")).expanduser()
+_MARKER = ".edgeq-wheel.sha256"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What ``edgeq devices check`` reports about a device."""
+
+    machine: str
+    system: str
+    os: str
+    python: str
+    python_tag: str
+    executable: str
+    glibc: str
+    numpy: str | None
+    click: str | None
+    runtime: str | None
+    runtime_version: str | None
+    edgeq: str | None
+    free_bytes: int | None
+    edgetpu_library: str | None
+    edgetpu_devices: tuple[str, ...]
+    pip: bool
+    venv: bool
+
+    @property
+    def edgetpu(self) -> str:
+        if self.edgetpu_devices and self.edgetpu_library:
+            return "yes"
+        if self.edgetpu_devices:
+            return "device, no libedgetpu"
+        if self.edgetpu_library:
+            return "libedgetpu, no device"
+        return "no"
+
+    @property
+    def missing(self) -> list[str]:
+        return [
+            name
+            for name, have in (("numpy", self.numpy), ("click", self.click), ("ai-edge-litert", self.runtime))
+            if not have
+        ]
+
+
+@dataclass(frozen=True)
+class DeviceRuntime:
+    """How to run edgeq on a device after the bootstrap."""
+
+    python: str
+    env: dict[str, str] = field(default_factory=dict)
+    mode: str = "site"  # "site" | "venv"
+    installed: str = "unchanged"  # "installed" | "unchanged"
+    workdir: str = ""
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.python, "-m", "edgeq", *args]
+
+
+def probe(transport: Transport, python: str | None = None, env: dict[str, str] | None = None) -> Probe:
+    """Run the stand-alone probe with the device's python and parse its JSON."""
+    device = transport.device
+    python = python or device.python
+    source = PROBE_SCRIPT.read_text(encoding="utf-8")
+    result = transport.run([python, "-c", source, device.workdir], env=env, timeout=120)
+    if not result.ok:
+        raise DeviceError(f"{device.name}: {python} does not run: {result.last_error_line()}")
+    try:
+        data = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError) as exc:
+        raise DeviceError(f"{device.name}: the probe printed no JSON: {result.stdout[:200]!r}") from exc
+    tpu = data.pop("edgetpu", {}) or {}
+    return Probe(edgetpu_library=tpu.get("library"), edgetpu_devices=tuple(tpu.get("devices") or ()), **data)
+
+
+def _source_root() -> Path:
+    root = Path(edgeq.__file__).resolve().parents[1]
+    if not (root / "setup.py").is_file():
+        raise DeviceError(
+            f"edgeq runs from {root}, not from a checkout with setup.py: build a wheel "
+            "(pip wheel --no-deps .) and pass it with --wheel PATH"
+        )
+    return root
+
+
+def _source_hash(root: Path) -> str:
+    digest = hashlib.sha256()
+    names = ["setup.py", "pyproject.toml", "README.md"]
+    files = [root / n for n in names if (root / n).is_file()]
+    for folder in ("edgeq", "models"):
+        files += sorted(
+            p for p in (root / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+        )
+    for path in files:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def build_wheel(root: Path | None = None) -> Path:
+    """The edgeq wheel of this checkout, built once per source state and cached.
+
+    Devices bootstrap in parallel threads: one builds, the others wait for it; the cached
+    file appears atomically, so no reader ever sees half a wheel.
+    """
+    with _BUILD_LOCK:
+        return _build_wheel(root or _source_root())
+
+
+def _build_wheel(root: Path) -> Path:
+    out = WHEEL_CACHE / f"edgeq-src-{_source_hash(root)}"
+    found = sorted(out.glob("edgeq-*.whl"))
+    if found:
+        return found[0]
+    with tempfile.TemporaryDirectory(prefix="edgeq-wheel-") as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        for name in ("setup.py", "pyproject.toml", "README.md"):
+            if (root / name).is_file():
+                shutil.copy2(root / name, src / name)
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        for name in ("edgeq", "models"):
+            if (root / name).is_dir():
+                shutil.copytree(root / name, src / name, ignore=ignore)
+        dist = Path(tmp) / "dist"
+        base = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist)]
+        proc = subprocess.run([*base, "--no-build-isolation", str(src)], capture_output=True, text=True, cwd=tmp)
+        if proc.returncode != 0:  # no setuptools/wheel here: let pip fetch a build backend
+            proc = subprocess.run([*base, str(src)], capture_output=True, text=True, cwd=tmp)
+        wheels = sorted(dist.glob("edgeq-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise DeviceError(f"cannot build the edgeq wheel from {root}: {(proc.stderr or proc.stdout)[-400:]}")
+        out.mkdir(parents=True, exist_ok=True)
+        final = out / wheels[0].name
+        part = out / f".{wheels[0].name}.{os.getpid()}.part"
+        shutil.copy2(wheels[0], part)
+        os.replace(part, final)
+    log.info("built %s", final)
+    return final
+
+
+def _platform_tags(info: Probe) -> list[str]:
+    arch = info.machine
+    tags = []
+    glibc = info.glibc.split("-")[-1] if info.glibc.startswith("glibc") else ""
+    try:
+        major, minor = (int(p) for p in glibc.split(".")[:2])
+    except ValueError:
+        major, minor = 2, 17
+    for m in range(17, minor + 1) if major == 2 else [17]:
+        tags.append(f"manylinux_2_{m}_{arch}")
+    tags.append(f"manylinux2014_{arch}")
+    return tags
+
+
+def download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Path]:
+    """Wheels of ``requirements`` for the device's platform and Python, fetched here."""
+    dest.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "-d", str(dest)]
+    args += ["--python-version", info.python_tag, "--implementation", "cp"]
+    for tag in _platform_tags(info):
+        args += ["--platform", tag]
+    proc = subprocess.run([*args, *requirements], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DeviceError(
+            f"cannot download wheels of {', '.join(requirements)} for {info.machine} / Python {info.python_tag}: "
+            f"{(proc.stderr or proc.stdout).strip()[-300:]}"
+        )
+    return sorted(dest.glob("*.whl"))
+
+
+def _read_marker(transport: Transport, path: str) -> str | None:
+    result = transport.run(["cat", "--", path], timeout=60)
+    return result.stdout.strip() if result.ok else None
+
+
+def _write_marker(transport: Transport, path: str, value: str) -> None:
+    result = transport.run(["sh", "-c", 'printf "%s\\n" "$1" > "$2"', "sh", value, path], timeout=60)
+    if not result.ok:
+        raise DeviceError(f"{transport.device.name}: cannot write {path}: {result.last_error_line()}")
+
+
+def ensure_runtime(
+    transport: Transport,
+    *,
+    wheel: str | Path | None = None,
+    wheels_dir: str | Path | None = None,
+) -> DeviceRuntime:
+    """Make sure the device runs this checkout's edgeq; install it once if it does not."""
+    device = transport.device
+    workdir = transport.expand(device.workdir)
+    wheel = Path(wheel) if wheel else build_wheel()
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    transport.makedirs(workdir)
+    if device.venv:
+        venv = transport.expand(device.venv)
+        python = f"{venv.rstrip('/')}/bin/python"
+        marker = f"{venv.rstrip('/')}/{_MARKER}"
+        runtime = DeviceRuntime(python=python, env={}, mode="venv", workdir=workdir)
+    else:
+        site = confine(workdir, "site")
+        python = device.python
+        marker = f"{site}/{_MARKER}"
+        runtime = DeviceRuntime(python=python, env={"PYTHONPATH": site}, mode="site", workdir=workdir)
+    if _read_marker(transport, marker) == digest:
+        return runtime
+    log.info("%s: installing %s (%s mode)", device.name, wheel.name, runtime.mode)
+    if runtime.mode == "venv":
+        check = transport.run(["test", "-x", python], timeout=60)
+        if not check.ok:
+            made = transport.run([device.python, "-m", "venv", transport.expand(device.venv)], timeout=600)
+            if not made.ok:
+                raise DeviceError(
+                    f"{device.name}: cannot create a virtualenv with {device.python} ({made.last_error_line()}); "
+                    "on Raspberry Pi OS: sudo apt-get install python3-venv (deploy/bootstrap-rpi.sh)"
+                )
+        info = probe(transport, python)
+        pushed = [wheel]
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        if not device.online:
+            pushed += _dependency_wheels(info, BASE_REQUIREMENTS, wheels_dir)
+            pip += ["--no-index", "--find-links", confine(workdir, "wheels")]
+        records = push_files(transport, pushed, python=python, subdir="wheels")
+        wheel_remote = next(r.remote_path for r in records if r.name == wheel.name)
+        # First the dependencies (kept when they already fit), then this exact edgeq build
+        # over whatever edgeq of the same version was there.
+        result = transport.run([*pip, wheel_remote], timeout=1800)
+        if result.ok:
+            result = transport.run([*pip, "--force-reinstall", "--no-deps", wheel_remote], timeout=900)
+        if not result.ok:
+            raise DeviceError(f"{device.name}: pip install of {wheel.name} failed: {result.last_error_line()}")
+    else:
+        info = probe(transport, python, env=runtime.env)
+        pushed = [wheel]
+        missing = info.missing
+        if missing:
+            pushed += _dependency_wheels(info, missing, wheels_dir)
+        records = push_files(transport, pushed, python=python, subdir="wheels")
+        site = runtime.env["PYTHONPATH"]
+        result = device_python_c(transport, python, ["extract", site, *[r.remote_path for r in records]], timeout=900)
+        if not result.ok:
+            raise DeviceError(f"{device.name}: cannot unpack the wheels into {site}: {result.last_error_line()}")
+    _write_marker(transport, marker, digest)
+    return dataclasses.replace(runtime, installed="installed")
+
+
+def _dependency_wheels(info: Probe, requirements, wheels_dir: str | Path | None) -> list[Path]:
+    """Wheels for a device without internet: from --wheels DIR, else downloaded here."""
+    if wheels_dir:
+        found = sorted(Path(wheels_dir).glob("*.whl"))
+        if not found:
+            raise DeviceError(f"{wheels_dir}: no .whl files in it")
+        return found
+    cache = WHEEL_CACHE / f"deps-{info.machine}-cp{info.python_tag.replace('.', '')}"
+    return download_wheels(info, list(requirements), cache)

@@ -1,0 +1,98 @@
+"""The device side of ``edgeq verify`` and ``edgeq push``: ``python -m edgeq.fleet.device``.
+
+Runs on the device with the base install only (numpy, LiteRT): no TensorFlow, no
+paramiko. ``raw`` runs already-quantized inputs through the model one sample at a time
+and saves the raw outputs, so that the host can compare them bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import zipfile
+
+
+def sha256_files(paths: list[str]) -> dict[str, str | None]:
+    """sha256 of each file; None for a file that is not there."""
+    result: dict[str, str | None] = {}
+    for path in paths:
+        try:
+            digest = hashlib.sha256()
+            with open(path, "rb") as fh:
+                for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                    digest.update(block)
+            result[path] = digest.hexdigest()
+        except FileNotFoundError:
+            result[path] = None
+    return result
+
+
+def extract_wheels(target: str, wheels: list[str]) -> None:
+    """Unpack wheels into ``target`` (a folder put on PYTHONPATH): an install without pip."""
+    os.makedirs(target, exist_ok=True)
+    real = os.path.realpath(target)
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                dest = os.path.realpath(os.path.join(target, member))
+                if not dest.startswith(real + os.sep):
+                    raise SystemExit(f"error: {wheel}: member {member!r} would leave {target}")
+            zf.extractall(target)
+
+
+def run_raw(model: str, inputs: str, out: str, runtime: str | None, delegate: str | None) -> None:
+    import numpy as np
+
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    tfl = TFLiteModel(model, runtime=runtime, num_threads=1, delegate=delegate)
+    with np.load(inputs) as data:
+        x = data["inputs"]
+    outputs = [np.array(tfl.invoke_raw(x[i : i + 1]), copy=True) for i in range(len(x))]
+    stacked = np.concatenate(outputs, axis=0) if outputs else np.zeros((0,))
+    tmp = out + ".part"
+    with open(tmp, "wb") as fh:
+        np.savez(
+            fh,
+            outputs=stacked,
+            machine=np.array(platform.machine()),
+            runtime=np.array(f"{tfl.backend.name} {tfl.backend_version}"),
+        )
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m edgeq.fleet.device")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("sha256")
+    p.add_argument("paths", nargs="*")
+    p = sub.add_parser("extract")
+    p.add_argument("target")
+    p.add_argument("wheels", nargs="+")
+    p = sub.add_parser("raw")
+    p.add_argument("model")
+    p.add_argument("inputs")
+    p.add_argument("out")
+    p.add_argument("--runtime")
+    p.add_argument("--delegate")
+    args = parser.parse_args(argv)
+    if args.command == "sha256":
+        print(json.dumps(sha256_files(args.paths)))
+    elif args.command == "extract":
+        extract_wheels(args.target, args.wheels)
+    else:
+        try:
+            run_raw(args.model, args.inputs, args.out, args.runtime, args.delegate)
+        except Exception as exc:  # one line for the host to show
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"error: {first}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

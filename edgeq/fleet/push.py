@@ -1,0 +1,144 @@
+"""Files to a device: temporary name, sha256 checked on the device, atomic rename.
+
+A file already on the device with the same sha256 is not sent again. An upload that
+is interrupted leaves only a hidden ``.NAME.part-XXXX`` file, never a file under the
+final name; the next push removes such leftovers and sends the file again. Transient
+failures (a dropped connection) are retried with exponential backoff after reconnecting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgeq.errors import DeviceError, TransferError, UnsafePathError
+from edgeq.fleet.transport import Transport, confine, retry
+
+log = logging.getLogger(__name__)
+
+DEVICE_SCRIPT = Path(__file__).with_name("device.py")
+PART_MARK = ".part-"
+
+
+@dataclass(frozen=True)
+class FileTransfer:
+    """One file on one device after a push."""
+
+    name: str
+    remote_path: str
+    sha256: str
+    size: int
+    status: str  # "uploaded" | "unchanged"
+    seconds: float
+    attempts: int
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def safe_name(name: str) -> str:
+    """A file name that may be used as one path component on the device."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or any(ord(c) < 32 for c in name):
+        raise UnsafePathError(f"{name!r}: not a plain file name (no '/', '..' or control characters)")
+    if name.startswith(".") and PART_MARK in name:
+        raise UnsafePathError(f"{name!r}: names like .X.part-Y are reserved for uploads in progress")
+    return name
+
+
+def device_python_c(transport: Transport, python: str, args: list[str], timeout: float = 300):
+    """Run device.py's helpers with ``python -c``: they work before edgeq is installed there."""
+    return transport.run([python, "-c", DEVICE_SCRIPT.read_text(encoding="utf-8"), *args], timeout=timeout)
+
+
+def remote_sha256(transport: Transport, python: str, paths: list[str]) -> dict[str, str | None]:
+    if not paths:
+        return {}
+    result = device_python_c(transport, python, ["sha256", *paths])
+    if not result.ok:
+        raise DeviceError(f"{transport.device.name}: cannot hash files: {result.last_error_line()}")
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError) as exc:
+        raise DeviceError(f"{transport.device.name}: unexpected answer from sha256: {result.stdout[:200]!r}") from exc
+
+
+def push_files(
+    transport: Transport,
+    files: list[str | Path],
+    *,
+    python: str,
+    subdir: str = "models",
+    attempts: int = 3,
+    backoff_s: float = 0.5,
+) -> list[FileTransfer]:
+    """Upload ``files`` to ``WORKDIR/subdir/NAME`` on the device; return one record per file."""
+    workdir = transport.expand(transport.device.workdir)
+    folder = confine(workdir, subdir)
+    local = [Path(f) for f in files]
+    for path in local:
+        if not path.is_file():
+            raise TransferError(f"{path}: no such file to push")
+    targets = [confine(folder, safe_name(p.name)) for p in local]
+    names = [p.name for p in local]
+    if len(set(names)) != len(names):
+        raise UnsafePathError(f"two files with the same name would overwrite each other on the device: {names}")
+
+    def reconnect() -> None:
+        if hasattr(transport, "connect"):
+            transport.close()
+            transport.connect()
+
+    retry(lambda: transport.makedirs(folder), attempts=attempts, backoff_s=backoff_s, what="mkdir", on_retry=reconnect)
+    hashes = {str(p): sha256_file(p) for p in local}
+    there = retry(
+        lambda: remote_sha256(transport, python, targets),
+        attempts=attempts,
+        backoff_s=backoff_s,
+        what="remote sha256",
+        on_retry=reconnect,
+    )
+    existing = retry(lambda: transport.listdir(folder), attempts=attempts, backoff_s=backoff_s, what="listdir")
+    records = []
+    for path, target in zip(local, targets):
+        digest = hashes[str(path)]
+        size = path.stat().st_size
+        start = time.monotonic()
+        for leftover in [n for n in existing if n.startswith(f".{path.name}{PART_MARK}")]:
+            log.info("%s: removing an interrupted upload %s", transport.device.name, leftover)
+            transport.remove(confine(folder, leftover))
+        if there.get(target) == digest:
+            records.append(FileTransfer(path.name, target, digest, size, "unchanged", 0.0, 0))
+            continue
+        tries = {"n": 0}
+
+        def upload_once(path=path, target=target, digest=digest, tries=tries) -> None:
+            tries["n"] += 1
+            part = confine(folder, f".{path.name}{PART_MARK}{uuid.uuid4().hex[:12]}")
+            try:
+                transport.upload(path, part)
+                got = remote_sha256(transport, python, [part]).get(part)
+                if got != digest:
+                    raise TransferError(
+                        f"{transport.device.name}: {path.name}: sha256 on the device {got} != {digest}; not renamed"
+                    )
+                transport.rename(part, target)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the connection may be gone; the next push cleans up
+                    transport.remove(part)
+                raise
+
+        retry(upload_once, attempts=attempts, backoff_s=backoff_s, what=f"upload {path.name}", on_retry=reconnect)
+        log.info("%s: %s uploaded (%d bytes)", transport.device.name, path.name, size)
+        records.append(FileTransfer(path.name, target, digest, size, "uploaded", time.monotonic() - start, tries["n"]))
+    return records

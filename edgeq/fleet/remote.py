@@ -1,0 +1,308 @@
+"""Work on many devices at once: check, push, profile and verify over SSH.
+
+Each device runs in its own worker (at most ``parallel`` at a time); a device that fails
+is recorded with its error and the others go on. Results come back as frozen dataclasses;
+``on_event(device_name, message)`` reports progress for the CLI to show.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq.errors import DataError, DeviceError, EdgeqError
+from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe
+from edgeq.fleet.inventory import Device
+from edgeq.fleet.push import FileTransfer, push_files
+from edgeq.fleet.transport import Transport, confine, connect
+
+log = logging.getLogger(__name__)
+
+Event = Callable[[str, str], None]
+PROFILE_TIMEOUT_S = 3600
+
+
+@dataclass(frozen=True)
+class DeviceOutcome:
+    """What happened on one device: ``status`` is "ok" or "failed" (then ``error`` says why)."""
+
+    device: str
+    status: str
+    seconds: float
+    error: str | None = None
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """``edgeq profile`` options to run on the device (files are pushed first)."""
+
+    threads: str = "1"
+    runs: int = 50
+    warmup: int = 5
+    min_seconds: float = 0.0
+    data: str | None = None
+    labels: str | None = None
+    delegate: str = "xnnpack"
+    runtime: str | None = None
+    compare: str | None = None
+
+
+@dataclass(frozen=True)
+class PushSummary:
+    runtime: DeviceRuntime
+    files: tuple[FileTransfer, ...]
+
+
+@dataclass(frozen=True)
+class RemoteProfile:
+    """One device's profile: the JSON it wrote, now at ``local_json`` on this host."""
+
+    local_json: Path
+    machine: str
+    runtime: str
+    mean_ms: float
+    median_ms: float
+    accuracy: float | None
+    push: PushSummary
+    report: dict = field(repr=False, default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Host interpreter vs device on the same (already quantized) inputs."""
+
+    samples: int
+    bit_exact: bool
+    max_abs_diff: float  # in the output's own units (integer steps for int8 outputs)
+    max_abs_diff_float: float  # after dequantization
+    top1_agreement: float
+    output_dtype: str
+    device_machine: str
+    device_runtime: str
+    host_runtime: str
+
+
+def _noop(device: str, message: str) -> None:
+    pass
+
+
+def for_each_device(
+    devices: Sequence[Device],
+    work: Callable[[Device, Event], Any],
+    *,
+    parallel: int = 4,
+    on_event: Event | None = None,
+) -> list[DeviceOutcome]:
+    """Run ``work(device, on_event)`` on every device, ``parallel`` at a time, failures contained."""
+    on_event = on_event or _noop
+
+    def one(device: Device) -> DeviceOutcome:
+        start = time.monotonic()
+        try:
+            result = work(device, on_event)
+        except EdgeqError as exc:
+            on_event(device.name, f"failed: {exc}")
+            return DeviceOutcome(device.name, "failed", time.monotonic() - start, str(exc))
+        except Exception as exc:  # one broken device must not stop the fleet
+            log.exception("%s: unexpected failure", device.name)
+            message = f"{type(exc).__name__}: {exc}"
+            on_event(device.name, f"failed: {message}")
+            return DeviceOutcome(device.name, "failed", time.monotonic() - start, message)
+        on_event(device.name, f"done in {time.monotonic() - start:.1f} s")
+        return DeviceOutcome(device.name, "ok", time.monotonic() - start, None, result)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(devices)))) as pool:
+        return list(pool.map(one, devices))
+
+
+def check_device(device: Device, on_event: Event = _noop) -> Probe:
+    """Connect and report what the device has (arch, OS, Python, runtime, disk, Edge TPU)."""
+    on_event(device.name, "connecting")
+    with connect(device) as transport:
+        python, env = device.python, None
+        if device.venv:
+            venv_python = f"{transport.expand(device.venv).rstrip('/')}/bin/python"
+            if transport.run(["test", "-x", venv_python], timeout=60).ok:
+                python = venv_python
+        else:
+            site = confine(transport.expand(device.workdir), "site")
+            env = {"PYTHONPATH": site}
+        return probe(transport, python, env=env)
+
+
+def push_to_device(
+    transport: Transport,
+    files: Sequence[str | Path],
+    on_event: Event = _noop,
+    *,
+    wheel: str | Path | None = None,
+    wheels_dir: str | Path | None = None,
+) -> PushSummary:
+    """Bootstrap the device if needed, then upload ``files`` to WORKDIR/models."""
+    name = transport.device.name
+    on_event(name, "bootstrap")
+    runtime = ensure_runtime(transport, wheel=wheel, wheels_dir=wheels_dir)
+    if runtime.installed == "installed":
+        on_event(name, f"installed edgeq ({runtime.mode})")
+    on_event(name, f"pushing {len(files)} file(s)")
+    records = push_files(transport, list(files), python=runtime.python) if files else []
+    return PushSummary(runtime, tuple(records))
+
+
+def push_to(device: Device, files: Sequence[str | Path], on_event: Event = _noop, **kwargs) -> PushSummary:
+    on_event(device.name, "connecting")
+    with connect(device) as transport:
+        return push_to_device(transport, files, on_event, **kwargs)
+
+
+def _remote_path(pushed: PushSummary, local: str | Path) -> str:
+    name = Path(local).name
+    for record in pushed.files:
+        if record.name == name:
+            return record.remote_path
+    raise DeviceError(f"{local} was not pushed")  # pragma: no cover
+
+
+def profile_on(
+    device: Device,
+    model: str | Path,
+    options: ProfileOptions,
+    results_dir: str | Path,
+    on_event: Event = _noop,
+) -> RemoteProfile:
+    """Push the model (and --compare/--data files), run ``edgeq profile`` there, fetch the JSON."""
+    files = [Path(model)] + [Path(p) for p in (options.compare, options.data) if p]
+    on_event(device.name, "connecting")
+    with connect(device) as transport:
+        pushed = push_to_device(transport, files, on_event)
+        runtime = pushed.runtime
+        remote_model = _remote_path(pushed, model)
+        stem = Path(model).stem
+        results_remote = confine(runtime.workdir, "results")
+        transport.makedirs(results_remote)
+        remote_json = confine(results_remote, f"{stem}.profile.json")
+        args = ["profile", remote_model, "--threads", options.threads, "--runs", str(options.runs)]
+        args += ["--warmup", str(options.warmup), "--min-seconds", str(options.min_seconds)]
+        args += ["--delegate", options.delegate, "--json", remote_json, "--no-progress"]
+        if options.compare:
+            args += ["--compare", _remote_path(pushed, options.compare)]
+        if options.data:
+            args += ["--data", _remote_path(pushed, options.data)]
+        if options.labels:
+            args += ["--labels", options.labels]
+        if options.runtime or device.runtime:
+            args += ["--runtime", options.runtime or device.runtime]
+        on_event(device.name, "profiling")
+        result = transport.run(runtime.argv(*args), env=runtime.env, cwd=runtime.workdir, timeout=PROFILE_TIMEOUT_S)
+        if not result.ok:
+            raise DeviceError(f"{device.name}: edgeq profile failed: {result.last_error_line()}")
+        local = Path(results_dir) / device.name / f"{stem}.profile.json"
+        on_event(device.name, "fetching results")
+        transport.download(remote_json, local)
+    report = json.loads(local.read_text(encoding="utf-8"))
+    run = report["model"]["runs"][0]["latency"]
+    accuracy = (report["model"].get("accuracy") or {}).get("accuracy")
+    env = report["environment"]
+    return RemoteProfile(
+        local_json=local,
+        machine=env["machine"],
+        runtime=f"{env['runtime']} {env['runtime_version']}",
+        mean_ms=float(run["mean_ms"]),
+        median_ms=float(run["median_ms"]),
+        accuracy=accuracy,
+        push=pushed,
+        report=report,
+    )
+
+
+def quantized_inputs(model, data: str | Path, inputs: str = "x", limit: int | None = None) -> np.ndarray:
+    """The inputs of ``data`` in the model's input dtype, exactly as both sides will see them."""
+    from edgeq.runtime.interpreter import quantize
+
+    try:
+        with np.load(data) as npz:
+            if inputs not in npz:
+                raise DataError(f"{data}: no array {inputs!r} (it has {', '.join(npz.files)})")
+            x = np.asarray(npz[inputs])
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{data}: cannot read it as .npz ({exc})") from exc
+    if limit:
+        x = x[:limit]
+    expected = tuple(model.input.shape[1:])
+    if tuple(x.shape[1:]) != expected:
+        raise DataError(f"{data}: inputs of shape {tuple(x.shape[1:])} do not fit the model input {expected}")
+    if x.dtype.kind == "f":
+        return quantize(x.astype(np.float32), model.input)
+    return x.astype(np.dtype(model.input.dtype))
+
+
+def verify_on(
+    device: Device,
+    model: str | Path,
+    data: str | Path,
+    *,
+    inputs: str = "x",
+    limit: int | None = 100,
+    delegate: str = "xnnpack",
+    on_event: Event = _noop,
+) -> VerifyResult:
+    """Same inputs on the device and on this host's interpreter; compare the raw outputs."""
+    from edgeq.runtime.interpreter import TFLiteModel, dequantize
+
+    host = TFLiteModel(model, num_threads=1, delegate=delegate)
+    x = quantized_inputs(host, data, inputs, limit)
+    host_out = np.concatenate([np.array(host.invoke_raw(x[i : i + 1]), copy=True) for i in range(len(x))], axis=0)
+    with tempfile.TemporaryDirectory(prefix="edgeq-verify-") as tmp:
+        stem = Path(model).stem
+        inputs_file = Path(tmp) / f"{stem}.verify-inputs.npz"
+        np.savez(inputs_file, inputs=x)
+        on_event(device.name, "connecting")
+        with connect(device) as transport:
+            pushed = push_to_device(transport, [Path(model), inputs_file], on_event)
+            runtime = pushed.runtime
+            results_remote = confine(runtime.workdir, "results")
+            transport.makedirs(results_remote)
+            remote_out = confine(results_remote, f"{stem}.verify-outputs.npz")
+            argv = [runtime.python, "-m", "edgeq.fleet.device", "raw", _remote_path(pushed, model)]
+            argv += [_remote_path(pushed, inputs_file), remote_out, "--delegate", delegate]
+            if device.runtime:
+                argv += ["--runtime", device.runtime]
+            on_event(device.name, f"running {len(x)} samples")
+            result = transport.run(argv, env=runtime.env, cwd=runtime.workdir, timeout=PROFILE_TIMEOUT_S)
+            if not result.ok:
+                raise DeviceError(f"{device.name}: running the model failed: {result.last_error_line()}")
+            local_out = Path(tmp) / "outputs.npz"
+            transport.download(remote_out, local_out)
+        with np.load(local_out) as npz:
+            dev_out = np.asarray(npz["outputs"])
+            machine, dev_runtime = str(npz["machine"]), str(npz["runtime"])
+    if dev_out.shape != host_out.shape or dev_out.dtype != host_out.dtype:
+        raise DeviceError(
+            f"{device.name}: outputs of shape {dev_out.shape} {dev_out.dtype}, the host's are "
+            f"{host_out.shape} {host_out.dtype}"
+        )
+    diff = np.abs(dev_out.astype(np.float64) - host_out.astype(np.float64))
+    fdiff = np.abs(dequantize(dev_out, host.output).astype(np.float64) - dequantize(host_out, host.output))
+    flat = (len(x), -1)
+    agree = float(np.mean(dev_out.reshape(flat).argmax(1) == host_out.reshape(flat).argmax(1))) if len(x) else 1.0
+    return VerifyResult(
+        samples=len(x),
+        bit_exact=bool(np.array_equal(dev_out, host_out)),
+        max_abs_diff=float(diff.max()) if diff.size else 0.0,
+        max_abs_diff_float=float(fdiff.max()) if fdiff.size else 0.0,
+        top1_agreement=agree,
+        output_dtype=str(host_out.dtype),
+        device_machine=machine,
+        device_runtime=dev_runtime,
+        host_runtime=f"{host.backend.name} {host.backend_version}",
+    )

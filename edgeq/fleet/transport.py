@@ -1,0 +1,382 @@
+"""One transport interface to a device, and its real implementation over SSH (paramiko).
+
+Every remote command is built from an argument list with POSIX shell quoting, so a
+file named ``a b;rm -rf ~.tflite`` is one argument and nothing else. Host keys are
+checked against known_hosts; an unknown key is refused unless the device's policy is
+``accept-new`` (OpenSSH's ``StrictHostKeyChecking=accept-new``), and a changed key is
+always refused. Only keys or the agent authenticate: no password is ever sent.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import contextlib
+import hashlib
+import logging
+import os
+import posixpath
+import shlex
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgeq.errors import ConnectionLost, DeviceError, HostKeyError, MissingExtraError, UnsafePathError
+from edgeq.fleet.inventory import Device
+
+log = logging.getLogger(__name__)
+
+USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    command: str
+    exit_status: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+    def last_error_line(self) -> str:
+        """The line of stderr (or stdout) most likely to say what went wrong."""
+        for text in (self.stderr, self.stdout):
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+            errors = [ln for ln in lines if ln.startswith("error:")]
+            if errors:
+                return errors[-1]
+            if lines:
+                return lines[-1]
+        return f"exit status {self.exit_status}"
+
+
+def shell_command(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
+    """A POSIX sh command line for ``argv``: every word quoted, nothing interpreted."""
+    if not argv:
+        raise ValueError("empty command")
+    words = []
+    if env:
+        for key in env:
+            if not key.replace("_", "").isalnum() or key[0].isdigit():
+                raise UnsafePathError(f"environment variable name {key!r} is not valid")
+        words += ["env"] + [f"{k}={v}" for k, v in env.items()]
+    words += list(argv)
+    command = "exec " + " ".join(shlex.quote(str(w)) for w in words)
+    if cwd:
+        command = f"cd {shlex.quote(cwd)} && {command}"
+    return command
+
+
+def confine(workdir: str, *parts: str) -> str:
+    """``workdir/parts...`` on the device, refusing anything that would leave ``workdir``."""
+    for part in parts:
+        if not part or "\x00" in part or part.startswith("/") or "\\" in part:
+            raise UnsafePathError(f"{part!r}: not a relative path inside the device's work directory")
+        if any(p in ("..", ".") for p in part.split("/")):
+            raise UnsafePathError(f"{part!r}: '..' and '.' are not allowed in a device path")
+    path = posixpath.normpath(posixpath.join(workdir, *parts))
+    root = posixpath.normpath(workdir)
+    if path != root and not path.startswith(root.rstrip("/") + "/"):
+        raise UnsafePathError(f"{'/'.join(parts)!r} escapes the device's work directory {workdir}")
+    return path
+
+
+def fingerprint(key) -> str:
+    """OpenSSH-style SHA256 fingerprint of a paramiko key."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return f"{key.get_name()} SHA256:{base64.b64encode(digest).decode().rstrip('=')}"
+
+
+class Transport(abc.ABC):
+    """What edgeq needs from a connection to a device."""
+
+    device: Device
+    home: str
+
+    @abc.abstractmethod
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+    ) -> CommandResult:
+        """Run ``argv`` on the device (quoted, never interpreted by a shell)."""
+
+    @abc.abstractmethod
+    def upload(self, local: Path, remote: str, callback: Callable[[int, int], None] | None = None) -> None:
+        """Copy a local file to exactly ``remote`` (no rename, no checks)."""
+
+    @abc.abstractmethod
+    def download(self, remote: str, local: Path) -> None: ...
+
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str) -> None:
+        """Atomic rename on the device, replacing ``dst``."""
+
+    @abc.abstractmethod
+    def remove(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def listdir(self, path: str) -> list[str]: ...
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def expand(self, path: str) -> str:
+        """``~`` and ``~/x`` in inventory paths -> the device user's home."""
+        if path == "~":
+            return self.home
+        if path.startswith("~/"):
+            return posixpath.join(self.home, path[2:])
+        return path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _paramiko():
+    try:
+        import paramiko
+    except ImportError as exc:
+        raise MissingExtraError("talking to devices needs paramiko: pip install 'edgeq[deploy]'") from exc
+    return paramiko
+
+
+def _known_hosts_files(device: Device) -> list[Path]:
+    files = [Path(USER_KNOWN_HOSTS).expanduser()]
+    if device.known_hosts:
+        files.append(Path(device.known_hosts))
+    return files
+
+
+def _host_entry(device: Device) -> str:
+    return device.host if device.port == 22 else f"[{device.host}]:{device.port}"
+
+
+def _make_policy(device: Device):
+    paramiko = _paramiko()
+    save_to = Path(device.known_hosts or USER_KNOWN_HOSTS).expanduser()
+
+    class Policy(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client, hostname, key):
+            if device.host_key_policy != "accept-new":
+                raise HostKeyError(
+                    f"{device.name}: host key of {_host_entry(device)} is not in known_hosts "
+                    f"({', '.join(str(p) for p in _known_hosts_files(device))}); the device offers "
+                    f"{fingerprint(key)}. Check it on the device (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub), "
+                    f"then add it: ssh-keyscan -p {device.port} {device.host} >> {save_to}, "
+                    "or rerun with --accept-new-host-keys"
+                )
+            save_to.parent.mkdir(parents=True, exist_ok=True)
+            with open(save_to, "a", encoding="utf-8") as fh:
+                fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            log.warning("%s: recorded new host key %s for %s in %s", device.name, fingerprint(key), hostname, save_to)
+
+    return Policy()
+
+
+class SSHTransport(Transport):
+    """A device over SSH: paramiko for commands, SFTP for files."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._client = None
+        self._sftp = None
+        self.connect()
+
+    def connect(self) -> None:
+        paramiko = _paramiko()
+        device = self.device
+        client = paramiko.SSHClient()
+        for path in _known_hosts_files(device):
+            if path.is_file():
+                try:
+                    client.load_host_keys(str(path))
+                except (OSError, paramiko.SSHException) as exc:
+                    raise HostKeyError(f"{path}: cannot read known_hosts ({exc})") from exc
+        client.set_missing_host_key_policy(_make_policy(device))
+        where = f"{device.name} ({device.address})"
+        try:
+            client.connect(
+                device.host,
+                port=device.port,
+                username=device.user,
+                key_filename=device.identity_file,
+                allow_agent=device.agent,
+                look_for_keys=device.identity_file is None,
+                timeout=device.connect_timeout,
+                banner_timeout=device.connect_timeout,
+                auth_timeout=device.connect_timeout,
+                password=None,
+            )
+        except HostKeyError:
+            client.close()
+            raise
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            files = " or ".join(str(p) for p in _known_hosts_files(device) if p.is_file())
+            raise HostKeyError(
+                f"{where}: host key CHANGED: known_hosts ({files}) has {fingerprint(exc.expected_key)}, "
+                f"the device now offers {fingerprint(exc.key)}. Refusing to connect: someone may be intercepting "
+                f"the connection. If the device was reinstalled, remove the old key with "
+                f"ssh-keygen -R '{_host_entry(device)}' -f FILE and connect again"
+            ) from None
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            how = f"key {device.identity_file}" if device.identity_file else "the SSH agent / default keys"
+            raise DeviceError(f"{where}: authentication failed with {how} ({exc}); edgeq uses keys only") from None
+        except (OSError, socket.timeout, paramiko.SSHException, EOFError) as exc:
+            client.close()
+            raise ConnectionLost(f"{where}: cannot connect: {exc or type(exc).__name__}") from exc
+        self._client = client
+        self._sftp = None
+        self.home = self._home()
+
+    def _home(self) -> str:
+        result = self.run(["sh", "-c", 'printf %s "$HOME"'], timeout=self.device.connect_timeout)
+        home = result.stdout.strip()
+        if not result.ok or not home.startswith("/"):
+            raise DeviceError(f"{self.device.name}: cannot find the home folder ({result.last_error_line()})")
+        return home
+
+    @property
+    def sftp(self):
+        if self._sftp is None:
+            try:
+                self._sftp = self._client.open_sftp()
+            except Exception as exc:  # paramiko raises SSHException or socket errors
+                raise ConnectionLost(f"{self.device.name}: SFTP is not available: {exc}") from exc
+        return self._sftp
+
+    def _lost(self, exc: BaseException, what: str) -> ConnectionLost:
+        return ConnectionLost(f"{self.device.name}: connection lost during {what}: {exc or type(exc).__name__}")
+
+    def run(self, argv, *, env=None, cwd=None, timeout=None) -> CommandResult:
+        paramiko = _paramiko()
+        command = shell_command(argv, env=env, cwd=cwd)
+        log.info("%s$ %s", self.device.name, command)
+        start = time.monotonic()
+        out, err = bytearray(), bytearray()
+        try:
+            channel = self._client.get_transport().open_session()
+            channel.exec_command(command)
+            deadline = None if timeout is None else start + timeout
+            while True:
+                busy = False
+                while channel.recv_ready():
+                    out += channel.recv(65536)
+                    busy = True
+                while channel.recv_stderr_ready():
+                    err += channel.recv_stderr(65536)
+                    busy = True
+                if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
+                    break
+                if channel.closed or not channel.get_transport().is_active():
+                    raise ConnectionLost("the channel closed before the command finished")
+                if deadline is not None and time.monotonic() > deadline:
+                    channel.close()
+                    raise DeviceError(f"{self.device.name}: command timed out after {timeout:.0f} s: {argv[0]} ...")
+                if not busy:
+                    time.sleep(0.01)
+            status = channel.recv_exit_status()
+            channel.close()
+        except DeviceError as exc:
+            if isinstance(exc, ConnectionLost):
+                raise self._lost(exc, "a command") from exc
+            raise
+        except (OSError, paramiko.SSHException, EOFError, AttributeError) as exc:
+            raise self._lost(exc, "a command") from exc
+        if status == -1:  # no exit status: the session died (e.g. sshd killed)
+            raise ConnectionLost(f"{self.device.name}: the connection dropped while running {argv[0]}")
+        return CommandResult(
+            command=command,
+            exit_status=status,
+            stdout=out.decode("utf-8", errors="replace"),
+            stderr=err.decode("utf-8", errors="replace"),
+            seconds=time.monotonic() - start,
+        )
+
+    def _sftp_call(self, what: str, fn, *args, **kwargs):
+        paramiko = _paramiko()
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            alive = self._client.get_transport() is not None and self._client.get_transport().is_active()
+            if isinstance(exc, OSError) and alive and not isinstance(exc, (socket.timeout, ConnectionError)):
+                raise DeviceError(f"{self.device.name}: {what} failed: {exc}") from exc
+            raise self._lost(exc, what) from exc
+
+    def upload(self, local, remote, callback=None) -> None:
+        self._sftp_call(f"upload of {Path(local).name}", self.sftp.put, str(local), remote, callback=callback)
+
+    def download(self, remote, local) -> None:
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.part-{os.getpid()}")
+        try:
+            self._sftp_call(f"download of {remote}", self.sftp.get, remote, str(tmp))
+            os.replace(tmp, local)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def rename(self, src, dst) -> None:
+        self._sftp_call("rename", self.sftp.posix_rename, src, dst)
+
+    def remove(self, path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._sftp_call("remove", self.sftp.remove, path)
+
+    def listdir(self, path) -> list[str]:
+        try:
+            return self._sftp_call("listdir", self.sftp.listdir, path)
+        except FileNotFoundError:
+            return []
+
+    def makedirs(self, path) -> None:
+        result = self.run(["mkdir", "-p", "--", path], timeout=60)
+        if not result.ok:
+            raise DeviceError(f"{self.device.name}: cannot create {path}: {result.last_error_line()}")
+
+    def close(self) -> None:
+        for thing in (self._sftp, self._client):
+            if thing is not None:
+                with contextlib.suppress(Exception):  # closing a dead connection may raise anything
+                    thing.close()
+        self._sftp = self._client = None
+
+
+def connect(device: Device, attempts: int = 3, backoff_s: float = 0.5) -> Transport:
+    """An SSH transport to ``device``; transient connection failures are retried."""
+    return retry(lambda: SSHTransport(device), attempts=attempts, backoff_s=backoff_s, what=f"connect to {device.name}")
+
+
+def retry(fn, *, attempts: int = 3, backoff_s: float = 0.5, what: str = "operation", on_retry=None):
+    """Call ``fn``; on ConnectionLost wait backoff_s * 2**k and try again (``attempts`` in all)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except ConnectionLost as exc:
+            if attempt == attempts:
+                raise
+            delay = backoff_s * 2 ** (attempt - 1)
+            log.warning("%s failed (%s); retry %d/%d in %.1f s", what, exc, attempt, attempts - 1, delay)
+            time.sleep(delay)
+            if on_retry is not None:
+                on_retry()
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,364 @@
+"""The fleet end to end: real sshd, an x86 venv device and an emulated Raspberry Pi 4 (aarch64).
+
+The tests share one session fleet and run in file order: the first push bootstraps both
+devices, the later tests find them bootstrapped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .conftest import DIGITS, INT8, PI4_PYTHON, ROOT, edgeq_popen, edgeq_subprocess, start_sshd
+
+pytestmark = pytest.mark.usefixtures("fleet_env")
+
+
+def _run(cli, fleet, *args):
+    return cli(*args, "--inventory", fleet.inventory)
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def test_devices_list(cli, fleet):
+    result = _run(cli, fleet, "devices", "list")
+    assert result.exit_code == 0, result.output
+    assert "x86-venv" in result.stdout and "pi4-emu" in result.stdout
+    assert "pi4,ci" in result.stdout
+
+
+def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_property):
+    """The first push bootstraps both devices; profile --on all brings the JSON back."""
+    monkeypatch.chdir(tmp_path)
+    start = time.monotonic()
+    pushed = _run(cli, fleet, "push", INT8, DIGITS, "--to", "all")
+    push_s = time.monotonic() - start
+    assert pushed.exit_code == 0, pushed.output
+    assert "venv, installed" in pushed.stdout and "site, installed" in pushed.stdout
+    start = time.monotonic()
+    profiled = _run(cli, fleet, "profile", INT8, "--data", DIGITS, "--runs", "20", "--on", "all")
+    profile_s = time.monotonic() - start
+    assert profiled.exit_code == 0, profiled.output
+    record_property("push_s", round(push_s, 1))
+    record_property("profile_on_all_s", round(profile_s, 1))
+    print(f"\nFLEET TIMING push (with bootstrap) {push_s:.1f} s, profile --on all {profile_s:.1f} s")
+    machines = {}
+    for device in ("x86-venv", "pi4-emu"):
+        report = json.loads((tmp_path / "results" / device / "tiny_int8.profile.json").read_text())
+        machines[device] = report["environment"]["machine"]
+        assert report["environment"]["runtime"] == "ai_edge_litert"
+        assert report["model"]["accuracy"]["accuracy"] > 0.9
+    assert machines == {"x86-venv": "x86_64", "pi4-emu": "aarch64"}
+    lines = {line.split()[0]: line for line in profiled.stdout.splitlines() if line.strip()}
+    assert " ok " in lines["x86-venv"] and " ok " in lines["pi4-emu"]
+
+    # Bootstrapped once: a second push sends nothing and installs nothing (unless someone
+    # edited the checkout meanwhile: then the new edgeq wheel is installed, as it should be).
+    from edgeq.fleet.bootstrap import _source_hash
+
+    source = _source_hash(ROOT)
+    again = _run(cli, fleet, "push", INT8, DIGITS, "--to", "tag:ci")
+    assert again.exit_code == 0, again.output
+    for line in again.stdout.splitlines()[1:]:
+        device, status, uploaded, unchanged = line.split()[:4]
+        assert (status, uploaded, unchanged) == ("ok", "0", "2"), line
+        if _source_hash(ROOT) == source:
+            assert ", unchanged" in line, line  # "venv, unchanged" / "site, unchanged": no install
+
+
+def test_devices_check(cli, fleet):
+    result = _run(cli, fleet, "devices", "check", "all")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert "x86_64" in rows["x86-venv"] and "aarch64" in rows["pi4-emu"]
+    for row in rows.values():
+        assert "ai_edge_litert" in row and " ok " in row
+    assert "emulated Raspberry Pi 4" in rows["pi4-emu"]
+    # Device 1 is the base install only: edgeq and LiteRT, never TensorFlow.
+    site_packages = list(fleet.x86_venv.glob("lib/python3*/site-packages"))
+    assert site_packages and (site_packages[0] / "ai_edge_litert").is_dir()
+    assert not list(site_packages[0].glob("tensorflow*")) and not list(site_packages[0].glob("tf_keras*"))
+
+
+def test_verify_int8_bit_exact_on_aarch64_and_x86(cli, fleet):
+    result = _run(cli, fleet, "verify", INT8, "--data", DIGITS, "--limit", "64", "--on", "all")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert "bit-exact" in rows["pi4-emu"] and "aarch64" in rows["pi4-emu"]
+    assert "bit-exact" in rows["x86-venv"]
+
+
+def test_hostile_file_names_inject_nothing(cli, fleet, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = ["a b;rm -rf ~.tflite", "x;touch INJECTED;.tflite", "$(touch INJECTED2).tflite", "`touch INJECTED3`.tflite"]
+    canary = fleet.x86_workdir / "~.tflite"  # what `rm -rf ~.tflite` would remove in the work dir
+    canary.parent.mkdir(parents=True, exist_ok=True)
+    canary.write_text("still here")
+    for name in names:
+        hostile = tmp_path / name
+        shutil.copy(INT8, hostile)
+        result = _run(cli, fleet, "profile", hostile, "--runs", "3", "--on", "x86-venv")
+        assert result.exit_code == 0, result.output
+        assert (fleet.x86_workdir / "models" / name).is_file()
+    assert canary.read_text() == "still here"
+    for where in (fleet.x86_workdir, tmp_path, Path.home()):
+        assert not list(where.rglob("INJECTED*")), where
+
+
+def test_paths_are_confined_to_the_workdir():
+    from edgeq.errors import UnsafePathError
+    from edgeq.fleet.push import safe_name
+    from edgeq.fleet.transport import confine, shell_command
+
+    assert confine("/home/pi/edgeq", "models", "a b;c.tflite") == "/home/pi/edgeq/models/a b;c.tflite"
+    for bad in ("../x", "/etc/passwd", "models/../../x", "a/./b", "", "a\x00b"):
+        with pytest.raises(UnsafePathError):
+            confine("/home/pi/edgeq", bad)
+    for bad in ("..", ".", "a/b", "a\nb", ".m.tflite.part-1234"):
+        with pytest.raises(UnsafePathError):
+            safe_name(bad)
+    assert shell_command(["ls", "a b;rm -rf ~"], cwd="/w d") == "cd '/w d' && exec ls 'a b;rm -rf ~'"
+
+
+def test_inventory_refuses_passwords_and_bad_targets(tmp_path):
+    from edgeq.errors import InventoryError
+    from edgeq.fleet.inventory import load_inventory
+
+    path = tmp_path / "devices.toml"
+    path.write_text('[devices.pi]\nhost = "10.0.0.2"\npassword = "hunter2"\n')
+    with pytest.raises(InventoryError, match="never stores passwords"):
+        load_inventory(path)
+    path.write_text('[devices.pi]\nhost = "10.0.0.2"\ntags = ["pi4"]\nworkdir = "/"\n')
+    with pytest.raises(InventoryError, match="folder of its own"):
+        load_inventory(path)
+    path.write_text('[devices.pi]\nhost = "10.0.0.2"\ntags = ["pi4"]\n[devices.pi5]\nhost = "b"\ntags = ["pi5"]\n')
+    inventory = load_inventory(path)
+    assert [d.name for d in inventory.select("tag:pi5")] == ["pi5"]
+    assert [d.name for d in inventory.select("all")] == ["pi", "pi5"]
+    with pytest.raises(InventoryError, match="no device has tag"):
+        inventory.select("tag:coral")
+
+
+def test_ansible_yaml_inventory(tmp_path):
+    pytest.importorskip("yaml")
+    from edgeq.fleet.inventory import load_inventory
+
+    path = tmp_path / "hosts.yml"
+    path.write_text(
+        "all:\n  vars:\n    ansible_user: pi\n  children:\n    pi4:\n      hosts:\n        desk:\n"
+        "          ansible_host: 10.0.0.5\n          ansible_port: 2222\n          edgeq_workdir: /srv/edgeq\n"
+    )
+    (device,) = load_inventory(path).devices
+    assert (device.name, device.host, device.port, device.user, device.tags) == (
+        "desk",
+        "10.0.0.5",
+        2222,
+        "pi",
+        ("pi4",),
+    )
+
+
+def test_changed_and_unknown_host_keys_are_refused(cli, fleet, tmp_path):
+    import subprocess
+
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    kind, blob = other.with_suffix(".pub").read_text().split()[:2]
+    text = fleet.inventory.read_text()
+
+    changed = tmp_path / "changed.toml"
+    wrong = tmp_path / "known_hosts_changed"
+    wrong.write_text(f"[127.0.0.1]:{fleet.sshd.port} {kind} {blob}\n")
+    changed.write_text(text.replace(str(fleet.known_hosts), str(wrong)))
+    for extra in ((), ("--accept-new-host-keys",)):
+        result = cli("devices", "check", "x86-venv", "--inventory", changed, *extra)
+        assert result.exit_code != 0
+        assert "host key CHANGED" in result.output and "ssh-keygen -R" in result.output, result.output
+
+    unknown = tmp_path / "unknown.toml"
+    empty = tmp_path / "known_hosts_empty"
+    empty.write_text("")
+    unknown.write_text(text.replace(str(fleet.known_hosts), str(empty)))
+    result = cli("devices", "check", "x86-venv", "--inventory", unknown)
+    assert result.exit_code != 0 and "not in known_hosts" in result.output, result.output
+    assert empty.read_text() == ""  # nothing added silently
+    result = cli("devices", "check", "x86-venv", "--inventory", unknown, "--accept-new-host-keys")
+    assert result.exit_code == 0, result.output
+    assert f"[127.0.0.1]:{fleet.sshd.port}" in empty.read_text()
+
+
+def test_interrupted_upload_leaves_no_file_and_next_push_completes(cli, fleet, tmp_path):
+    big = tmp_path / "big.bin"
+    block = np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8).tobytes()
+    with open(big, "wb") as fh:
+        for i in range(192):
+            fh.write(bytes([i]) + block[1:])
+    models = fleet.x86_workdir / "models"
+    proc = edgeq_popen("push", big, "--to", "x86-venv", "--inventory", fleet.inventory, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    part = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        parts = [p for p in models.glob(".big.bin.part-*") if p.stat().st_size > 0]
+        if parts:
+            part = parts[0]
+            break
+        time.sleep(0.01)
+    proc.kill()
+    proc.communicate()
+    assert part is not None, "the upload finished before it could be interrupted"
+    assert not (models / "big.bin").exists()
+
+    result = _run(cli, fleet, "push", big, "--to", "x86-venv")
+    assert result.exit_code == 0, result.output
+    from edgeq.fleet.push import sha256_file
+
+    assert sha256_file(models / "big.bin") == sha256_file(big)
+    assert not list(models.glob(".big.bin.part-*"))
+    (models / "big.bin").unlink()
+
+
+def test_sshd_killed_mid_fleet_run(cli, fleet, tmp_path):
+    """One device's sshd dies while it profiles: it fails, the other completes, exit != 0."""
+    # Both devices below share x86-venv's virtualenv: bootstrap it first, not twice at once.
+    assert _run(cli, fleet, "push", INT8, "--to", "x86-venv").exit_code == 0
+    doomed_sshd = start_sshd(tmp_path / "sshd2", fleet.client_pub)
+    try:
+        doomed_work = tmp_path / "doomed-work"
+        inventory = tmp_path / "devices.toml"
+        text = fleet.inventory.read_text()
+        x86_block = text[text.index("[devices.x86-venv]") : text.index("[devices.pi4-emu]")]
+        doomed = x86_block.replace("[devices.x86-venv]", "[devices.doomed]")
+        doomed = doomed.replace(f"port = {fleet.sshd.port}", f"port = {doomed_sshd.port}")
+        doomed = doomed.replace(str(fleet.x86_workdir), str(doomed_work))
+        known = tmp_path / "known_hosts"
+        known.write_text(fleet.known_hosts.read_text() + doomed_sshd.known_hosts_line() + "\n")
+        inventory.write_text(
+            f'[defaults]\nknown_hosts = "{known}"\n\n' + x86_block + "\n" + doomed.replace('"x86", ', "")
+        )
+        proc = edgeq_popen(
+            "profile", INT8, "--runs", "5", "--min-seconds", "6", "--on", "all", "--inventory", inventory, cwd=tmp_path
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (doomed_work / "results").exists():
+            time.sleep(0.05)
+        time.sleep(1.0)  # edgeq profile is now running on the doomed device
+        doomed_sshd.kill()
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if doomed_sshd.proc.poll() is None:
+            doomed_sshd.kill()
+    print(out, err)
+    assert proc.returncode != 0, out + err
+    rows = {line.split()[0]: line for line in out.splitlines()[1:] if line.strip()}
+    assert " failed " in rows["doomed"], out
+    assert " ok " in rows["x86-venv"], out
+    assert (tmp_path / "results" / "x86-venv" / "tiny_int8.profile.json").is_file()
+    assert not (tmp_path / "results" / "doomed").exists()
+    assert "failed on 1 of 2 device(s): doomed" in err
+
+
+def test_profile_on_unknown_device_is_one_line_error(cli, fleet):
+    result = _run(cli, fleet, "profile", INT8, "--on", "nope")
+    assert result.exit_code != 0
+    assert len(_errors(result.stderr)) == 1 and "no device 'nope'" in result.stderr
+
+
+def test_edgeq_subprocess_entry(fleet, tmp_path):
+    proc = edgeq_subprocess("devices", "list", "--inventory", fleet.inventory, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_offline_device_without_pip_gets_every_wheel_pushed(cli, fleet, tmp_path, monkeypatch):
+    """An emulated Pi whose Python sees no numpy/click/LiteRT (``-S``: no site-packages) and
+    has no pip: push brings the aarch64 wheels from this host and unpacks them on the device."""
+    monkeypatch.chdir(tmp_path)
+    bare = tmp_path / "pi4-bare-python"
+    bare.write_text(f'#!/bin/sh\nexec "{PI4_PYTHON}" -S "$@"\n')
+    bare.chmod(0o755)
+    inventory = tmp_path / "devices.toml"
+    inventory.write_text(
+        f'[defaults]\nknown_hosts = "{fleet.known_hosts}"\n\n'
+        + fleet.device_toml("pi4-bare", fleet.sshd.port, tmp_path / "bare work", f'python = "{bare}"')
+    )
+    before = cli("devices", "check", "--inventory", inventory)
+    assert before.exit_code == 0, before.output
+    assert "aarch64" in before.stdout and " none " in before.stdout  # nothing installed yet
+    result = cli("profile", INT8, "--data", DIGITS, "--runs", "5", "--on", "pi4-bare", "--inventory", inventory)
+    assert result.exit_code == 0, result.output
+    site = tmp_path / "bare work" / "site"
+    assert (site / "numpy").is_dir() and (site / "ai_edge_litert").is_dir() and (site / "edgeq").is_dir()
+    report = json.loads((tmp_path / "results" / "pi4-bare" / "tiny_int8.profile.json").read_text())
+    assert report["environment"]["machine"] == "aarch64"
+    assert report["model"]["accuracy"]["accuracy"] > 0.9
+
+
+def test_connect_retries_with_backoff_until_sshd_answers(fleet, tmp_path):
+    """A transient failure (nothing listens yet) is retried; the late sshd is reached."""
+    import threading
+
+    from edgeq.fleet.inventory import Device
+    from edgeq.fleet.transport import connect
+
+    holder = {}
+    late_dir = tmp_path / "late"
+    port_box = {}
+
+    def start_late():
+        time.sleep(0.6)
+        holder["sshd"] = start_sshd(late_dir, fleet.client_pub, port=port_box["port"])
+
+    from .conftest import free_port
+
+    port_box["port"] = free_port()
+    known = tmp_path / "known_hosts"
+    thread = threading.Thread(target=start_late)
+    thread.start()
+    device = Device(
+        name="late",
+        host="127.0.0.1",
+        port=port_box["port"],
+        user="root",
+        identity_file=str(fleet.client_key),
+        known_hosts=str(known),
+        host_key_policy="accept-new",
+        workdir=str(tmp_path / "w"),
+    )
+    try:
+        start = time.monotonic()
+        with connect(device, attempts=5, backoff_s=0.3) as transport:
+            assert transport.run(["uname", "-m"]).stdout.strip()
+        assert time.monotonic() - start >= 0.5
+    finally:
+        thread.join()
+        holder["sshd"].kill()
+
+
+def test_profile_on_with_compare_pushes_the_reference(cli, fleet, tmp_path, monkeypatch):
+    from .conftest import FP32
+
+    monkeypatch.chdir(tmp_path)
+    result = _run(cli, fleet, "profile", INT8, "--compare", FP32, "--data", DIGITS, "--runs", "5", "--on", "x86-venv")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "results" / "x86-venv" / "tiny_int8.profile.json").read_text())
+    assert report["reference"]["model"]["path"].endswith("/models/tiny_fp32.tflite")
+    assert report["comparison"]
+
+
+def test_a_wheel_that_would_write_outside_its_folder_is_refused(tmp_path):
+    import zipfile
+
+    from edgeq.fleet.device import extract_wheels
+
+    evil = tmp_path / "evil-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(evil, "w") as zf:
+        zf.writestr("../outside.txt", "gotcha")
+    with pytest.raises(SystemExit, match="would leave"):
+        extract_wheels(str(tmp_path / "site"), [str(evil)])
+    assert not (tmp_path / "outside.txt").exists()
