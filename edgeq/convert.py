@@ -284,9 +284,12 @@ def convert(
     if granularity not in ("per-channel", "per-tensor"):
         raise UsageError(f"--granularity must be per-channel or per-tensor, got {granularity!r}")
     keras_model, source_path = _load_source(model)
+    reference_model = keras_model  # verification compares with this, whatever --equalize/--bias-correct change
     source_name = str(source_path) if source_path else keras_model.name
     is_qat = is_qat_model(keras_model)
     notes: list[str] = []
+    if is_qat:
+        keras_model, is_qat = _sixteen_bit_qat(keras_model, source_path, spec, notes)
     if (equalize or plan or bias_correct) and is_qat:
         raise UsageError(
             f"{source_name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
@@ -364,7 +367,7 @@ def convert(
 
     tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
     verification = _verify(
-        tflite, keras_model, spec, dataset, data_spec, calib_samples, io_type, source_name, min_sqnr_db
+        tflite, reference_model, spec, dataset, data_spec, calib_samples, io_type, source_name, min_sqnr_db
     )
     op_counts = dict(Counter(op.op_name for op in tflite.ops()))
 
@@ -422,6 +425,31 @@ def convert(
         notes=tuple(notes),
         edgetpu=manifest.get("edgetpu"),
     )
+
+
+def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str]):
+    """A QAT model that simulates 16-bit activations converts only to 16x8, and only by PTQ.
+
+    TF 2.21's converter quantizes no QAT graph to 16x8 ("not yet supported for op:
+    DEQUANTIZE"), so the float weights QAT fine-tuned (qat_float.keras, beside qat.h5)
+    are converted with 16x8 post-training quantization instead.
+    """
+    from edgeq.train.fit import QAT_FLOAT_NAME, load_user_model
+    from edgeq.train.schemes import activation_bits_of
+
+    if 16 not in activation_bits_of(keras_model):
+        return keras_model, True
+    where = source_path or keras_model.name
+    if spec.mode != Mode.INT16X8:
+        raise UsageError(f"{where} simulates 16-bit activations: convert it with --int16x8")
+    fine_tuned = Path(source_path).parent / QAT_FLOAT_NAME if source_path else None
+    if fine_tuned is None or not fine_tuned.exists():
+        raise UsageError(
+            f"{where}: TFLite cannot quantize a QAT graph to 16x8; convert the QAT-fine-tuned float model "
+            f"({QAT_FLOAT_NAME}, written by edgeq train beside it) with --int16x8"
+        )
+    notes.append(f"16-bit-activation QAT: converted {fine_tuned} (its fine-tuned float weights) with 16x8 PTQ")
+    return load_user_model(fine_tuned), False
 
 
 def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes: list[str]) -> bytes:

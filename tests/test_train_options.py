@@ -343,3 +343,26 @@ def test_qat_stage_keeps_the_float_models_loss(digits_run):
     logits_model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(3)])
     _compile(logits_model, 1e-3)
     assert logits_model.loss.get_config()["from_logits"] is True
+
+
+def test_qat_only_run_keeps_the_given_model_as_its_fp32_reference(digits_run, finetune, tmp_path):
+    run = finetune(tmp_path / "q", qat_epochs=1)
+    given = load_keras_model(digits_run.fp32_model).get_weights()
+    saved = load_keras_model(run.fp32_model).get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(given, saved))
+    tuned = load_keras_model(run.out_dir / "qat_float.keras").get_weights()
+    assert not all(np.array_equal(a, b) for a, b in zip(given, tuned))  # QAT did change the float weights
+
+
+def test_16bit_activation_qat_converts_to_int16x8_through_its_fine_tuned_float_model(cli, finetune, tmp_path):
+    run = finetune(tmp_path / "a16", qat_epochs=1, activation_bits=16)
+    refused = cli("convert", run.qat_model, "--int8-only", "--out", tmp_path / "x.tflite")
+    assert_one_line_error(refused, "16-bit activations", "--int16x8")
+    result = convert(run.qat_model, tmp_path / "a16.tflite", mode="int16x8")
+    assert any("qat_float.keras" in note for note in result.notes)
+    from edgeq.runtime.flatbuffer import read_tflite, tensors_by_dtype
+
+    assert tensors_by_dtype(read_tflite(result.path)).get("int16", 0) > 0
+    d = load_dataset("digits")
+    acc = float(np.mean(TFLiteModel(result.path).predict(d.x_test).argmax(1) == d.y_test))
+    assert acc >= run.stages[-1].test_accuracy - 0.01

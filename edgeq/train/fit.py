@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 FP32_NAME = "fp32.keras"
 QAT_NAME = "qat.h5"
+QAT_FLOAT_NAME = "qat_float.keras"  # the float weights QAT fine-tuned, without fake-quant (e.g. for --int16x8)
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         start_stage, start_epoch = int(state["stage"]), int(state["epochs_done"])
         model = load_user_model(out_dir / "checkpoint" / "stage_start.keras")
     elif force:
-        for name in (FP32_NAME, QAT_NAME, "run.json", "history.json"):
+        for name in (FP32_NAME, QAT_NAME, QAT_FLOAT_NAME, "run.json", "history.json"):
             if (out_dir / name).exists():
                 (out_dir / name).unlink()
         shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
@@ -310,6 +311,11 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
 
         bar = tqdm(total=total, initial=done, unit="epoch", desc="train", dynamic_ncols=True)
 
+    if not any(s.kind == "fp32" for s in stages) and not (out_dir / FP32_NAME).exists():
+        # QAT-only schedule: the model as given is the FP32 reference. Saved now, because QAT
+        # copies its fine-tuned weights back into this very model object.
+        with atomic_path(out_dir / FP32_NAME) as tmp:
+            model.save(str(tmp))
     float_model = model
     fold_bn = config.fold_bn if config.fold_bn is not None else config.granularity == "per-tensor"
     # A resumed run restarts from checkpoint/stage_start.keras, folded already if it was.
@@ -381,14 +387,13 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         if bar is not None:
             bar.close()
 
-    if not (out_dir / FP32_NAME).exists():  # QAT-only schedule: the starting model is the reference
-        with atomic_path(out_dir / FP32_NAME) as tmp:
-            model.save(str(tmp))
     qat_path = None
     if qat_model is not None:
         qat_path = out_dir / QAT_NAME
         with atomic_path(qat_path) as tmp:
             qat_model.save(str(tmp))
+        with atomic_path(out_dir / QAT_FLOAT_NAME) as tmp:
+            float_model.save(str(tmp))
     write_json_atomic(out_dir / "history.json", {"stages": run.history})
     record = {
         "kind": "edgeq.train",
@@ -408,6 +413,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         "artifacts": {
             FP32_NAME: sha256_file(out_dir / FP32_NAME),
             **({QAT_NAME: sha256_file(qat_path)} if qat_path else {}),
+            **({QAT_FLOAT_NAME: sha256_file(out_dir / QAT_FLOAT_NAME)} if qat_path else {}),
         },
         "provenance": provenance(),
     }

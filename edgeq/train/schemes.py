@@ -274,12 +274,15 @@ def build_qat_model(model, settings: QuantSettings, only_layers: set[str] | None
             f"layer {match.group('name')!r} ({cls}) cannot be quantized by TF-MOT: leave it float with "
             f'--layer-config FILE containing {{"layers": {{"{match.group("name")}": "float"}}}}'
         ) from exc
-    if settings.activations == "symmetric":
+    if settings.activation_bits == 16:
+        # TFLite's 16x8 kernels take symmetric int16 activations only (zero point 0).
+        set_symmetric_activations(qat, include_inputs=True)
+    elif settings.activations == "symmetric":
         set_symmetric_activations(qat)
     return qat
 
 
-def set_symmetric_activations(qat_model) -> int:
+def set_symmetric_activations(qat_model, include_inputs: bool = False) -> int:
     """Make every activation quantizer symmetric (zero point 0); returns how many changed.
 
     TF-MOT's activation quantizers take ``symmetric`` as a plain attribute read when the
@@ -295,6 +298,8 @@ def set_symmetric_activations(qat_model) -> int:
         if isinstance(layer, QuantizeWrapper):
             candidates += [a.quantizer for a in getattr(layer, "_quantize_activations", [])]
             candidates += list(getattr(layer, "_output_quantizers", []) or [])
+        if include_inputs and type(layer).__name__ == "QuantizeLayer":
+            candidates.append(layer.quantizer)
         for quantizer in candidates:
             if id(quantizer) in seen:
                 continue
@@ -303,6 +308,20 @@ def set_symmetric_activations(qat_model) -> int:
                 quantizer.symmetric = True
                 changed += 1
     return changed
+
+
+def activation_bits_of(qat_model) -> set[int]:
+    """Bit widths of the activation quantizers in a QAT model."""
+    bits = set()
+    for layer in qat_model.layers:
+        quantizers = []
+        if isinstance(layer, QuantizeWrapper):
+            quantizers += [a.quantizer for a in getattr(layer, "_quantize_activations", [])]
+            quantizers += list(getattr(layer, "_output_quantizers", []) or [])
+        for quantizer in quantizers:
+            if isinstance(quantizer, _quantizers.MovingAverageQuantizer):
+                bits.add(int(quantizer.num_bits))
+    return bits
 
 
 def is_qat_model(model) -> bool:
