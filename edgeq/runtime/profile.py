@@ -617,13 +617,16 @@ def profile_model(
     if outputs is not None and ref_outputs is not None:
         if outputs.shape != ref_outputs.shape:
             raise UsageError(f"outputs differ in shape: {outputs.shape} vs reference {ref_outputs.shape}")
-        diff = np.abs(outputs.astype(np.float64) - ref_outputs.astype(np.float64))
+        # The same metric definitions as edgeq eval and convert's verification (numpy only).
+        from edgeq.evaluate import compare_outputs
+
+        cmp = compare_outputs(ref_outputs, outputs)
         agreement = Agreement(
-            samples=len(outputs),
-            top1_agreement=round(float(np.mean(_top1(outputs) == _top1(ref_outputs))), 6),
-            max_abs_error=round(float(diff.max()), 6),
-            mean_abs_error=round(float(diff.mean()), 6),
-            rmse=round(float(np.sqrt(np.mean(diff**2))), 6),
+            samples=cmp.samples,
+            top1_agreement=round(cmp.agreement, 6),
+            max_abs_error=round(cmp.max_abs_error, 6),
+            mean_abs_error=round(cmp.mae, 6),
+            rmse=round(float(np.sqrt(cmp.mse)), 6),
         )
 
     comparison: list[Comparison] = []
