@@ -83,7 +83,9 @@ class EvalResult:
 def _reference_predictions(reference: Path, x: np.ndarray) -> tuple[np.ndarray, int]:
     """Predictions of the reference and the size of its FP32 TFLite form."""
     if reference.suffix == ".tflite":
-        ref = TFLiteModel_(reference)
+        from edgeq.runtime.interpreter import TFLiteModel
+
+        ref = TFLiteModel(reference)
         return ref.predict(x, batch_size=1), reference.stat().st_size
     from edgeq.compat import tf
     from edgeq.train.fit import load_user_model
@@ -92,12 +94,6 @@ def _reference_predictions(reference: Path, x: np.ndarray) -> tuple[np.ndarray, 
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
     fp32_size = len(converter.convert())
     return model.predict(x, batch_size=256, verbose=0), fp32_size
-
-
-def TFLiteModel_(path):  # noqa: N802 - imported lazily: keeps this module light
-    from edgeq.runtime.interpreter import TFLiteModel
-
-    return TFLiteModel(path)
 
 
 def evaluate(
@@ -116,7 +112,9 @@ def evaluate(
             raise ModelLoadError(f"{path}: no such model file")
     if model.suffix != ".tflite":
         raise ModelLoadError(f"{model}: edgeq eval compares a .tflite model; convert it first (edgeq convert)")
-    quantized = TFLiteModel_(model)
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    quantized = TFLiteModel(model)
     input_shape = tuple(quantized.input.shape[1:])
     dataset = load_dataset(data, input_shape=input_shape)
     dataset.check_fits(input_shape, where=f"model {model}")

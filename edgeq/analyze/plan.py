@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq.analyze.sensitivity import calibrate, exact_sensitivity, predict
+from edgeq.analyze.sensitivity import calibrate, exact_sensitivity, load_fp32_with_data, predict
 from edgeq.artifacts import write_json_atomic
 from edgeq.errors import UsageError
 
@@ -74,17 +74,8 @@ def make_plan(
     progress=None,
     int4: bool = False,
 ) -> PlanResult:
-    from edgeq.data import load_dataset
-    from edgeq.train.fit import load_user_model
-    from edgeq.train.schemes import is_qat_model
-
     start = time.perf_counter()
-    model = load_user_model(model_path)
-    if is_qat_model(model):
-        raise UsageError(f"{model_path} is a QAT model; plan from the FP32 model it was trained from")
-    input_shape = tuple(model.input_shape[1:])
-    dataset = load_dataset(data, input_shape=input_shape)
-    dataset.check_fits(input_shape, where=f"model {model_path}")
+    model, dataset = load_fp32_with_data(model_path, data, "plan from")
     x, y = dataset.split(split)
     if len(x) == 0:
         raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")

@@ -271,6 +271,21 @@ def exact_sensitivity(cal: Calibrated, x: np.ndarray, y: np.ndarray, progress=No
     return fp32_acc, int8_acc, results
 
 
+def load_fp32_with_data(model_path, data: str, verb: str):
+    """The FP32 Keras model and a dataset that fits its input; a QAT model is refused."""
+    from edgeq.data import load_dataset
+    from edgeq.train.fit import load_user_model
+    from edgeq.train.schemes import is_qat_model
+
+    model = load_user_model(model_path)
+    if is_qat_model(model):
+        raise UsageError(f"{model_path} is a QAT model; {verb} the FP32 model it was trained from")
+    input_shape = tuple(model.input_shape[1:])
+    dataset = load_dataset(data, input_shape=input_shape)
+    dataset.check_fits(input_shape, where=f"model {model_path}")
+    return model, dataset
+
+
 def analyze_sensitivity(
     model_path,
     data: str,
@@ -280,16 +295,7 @@ def analyze_sensitivity(
     per_tensor: bool = False,
     progress=None,
 ) -> SensitivityReport:
-    from edgeq.data import load_dataset
-    from edgeq.train.fit import load_user_model
-    from edgeq.train.schemes import is_qat_model
-
-    model = load_user_model(model_path)
-    if is_qat_model(model):
-        raise UsageError(f"{model_path} is a QAT model; analyze the FP32 model it was trained from")
-    input_shape = tuple(model.input_shape[1:])
-    dataset = load_dataset(data, input_shape=input_shape)
-    dataset.check_fits(input_shape, where=f"model {model_path}")
+    model, dataset = load_fp32_with_data(model_path, data, "analyze")
     start = time.perf_counter()
     cal = calibrate(model, dataset, samples, per_tensor)
     if not cal.nodes:
