@@ -2,7 +2,8 @@
 
 TF-MOT works only with Keras 2 (``tf_keras``), and TensorFlow picks its Keras at first
 import, so ``TF_USE_LEGACY_KERAS=1`` must be set before anything imports TensorFlow.
-Every host-side module gets TensorFlow, Keras and TF-MOT from here.
+Every host-side module gets TensorFlow, Keras and TF-MOT from here; loading models is
+``edgeq.model_io``'s job.
 """
 
 from __future__ import annotations
@@ -27,17 +28,4 @@ except ImportError as exc:  # pragma: no cover - exercised only on a device inst
 logging.getLogger("tensorflow").setLevel(logging.ERROR)
 tf.get_logger().setLevel(logging.ERROR)
 
-__all__ = ["tf", "keras", "tfmot", "quantize_scope", "load_keras_model"]
-
-
-def quantize_scope():
-    """Custom objects needed to load a model saved during or after QAT (edgeq's too)."""
-    from edgeq.train.schemes import CUSTOM_OBJECTS
-
-    return tfmot.quantization.keras.quantize_scope(CUSTOM_OBJECTS)
-
-
-def load_keras_model(path: str | os.PathLike, compile: bool = False):
-    """Load a Keras 2 model (.keras, .h5 or SavedModel dir), QAT wrappers included."""
-    with quantize_scope():
-        return keras.models.load_model(str(path), compile=compile)
+__all__ = ["tf", "keras", "tfmot"]

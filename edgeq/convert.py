@@ -21,7 +21,7 @@ import numpy as np
 from edgeq.artifacts import provenance, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
 from edgeq.data import DEFAULT_CALIBRATION_SAMPLES, Dataset, Normalization, load_dataset
 from edgeq.errors import ConversionError, DataError, IntegerOnlyError, UsageError
-from edgeq.evaluate import compare_outputs
+from edgeq.metrics import compare_outputs
 from edgeq.runtime.interpreter import TFLiteModel
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def default_output(source: str | Path, mode: Mode) -> Path:
 
 def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_qat: bool, notes: list):
     """Calibration samples: --calib, else the data the model was trained on (run.json)."""
-    from edgeq.train.fit import run_record_for
+    from edgeq.model_io import run_record_for
 
     record = run_record_for(source_path) if source_path else None
     spec = calib
@@ -173,6 +173,7 @@ def _converter(
     static_batch: bool = False,
 ):
     from edgeq.compat import tf
+    from edgeq.shims.tflite import disable_per_channel
 
     if static_batch:
         # The Edge TPU compiler wants every shape fixed, the batch dimension included.
@@ -200,7 +201,7 @@ def _converter(
                 "--granularity applies to post-training quantization; a QAT model keeps its training "
                 "granularity (edgeq train --granularity)"
             )
-        converter._experimental_disable_per_channel = True  # noqa: SLF001 - the only switch TFLite offers
+        disable_per_channel(converter)
     if mode == Mode.INT8_ONLY:
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
         io = {"int8": tf.int8, "uint8": tf.uint8}[io_type]
@@ -240,49 +241,75 @@ def float_ops(model: TFLiteModel) -> list[str]:
 
 
 def _load_source(model_or_path):
-    from edgeq.train.fit import load_user_model
+    from edgeq.model_io import load_user_model
 
     if isinstance(model_or_path, (str, Path)):
         return load_user_model(model_or_path), Path(model_or_path)
     return model_or_path, None
 
 
-def convert(
-    model: Any,
-    out: str | Path | None = None,
-    mode: Mode | str = Mode.INT8_ONLY,
-    calib: str | None = None,
-    calib_samples: int = DEFAULT_CALIBRATION_SAMPLES,
-    granularity: str = "per-channel",
-    io_type: str = "int8",
-    min_sqnr_db: float | None = None,
-    edgetpu: bool = False,
-    equalize: bool = False,
-    plan: str | Path | None = None,
-    int4_granularity: str = "channel",
-    bias_correct: bool = False,
-) -> ConversionResult:
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How to convert: built by the CLI from its flags and by Python callers alike.
+
+    The mode is a row of MODES; every other field refines it. Combinations that cannot
+    work are refused when the options are made, before any model is loaded.
+    """
+
+    mode: Mode = Mode.INT8_ONLY
+    calib: str | None = None  # representative data source; None: the training run's (run.json)
+    calib_samples: int = DEFAULT_CALIBRATION_SAMPLES
+    granularity: str = "per-channel"  # PTQ weights: per-channel | per-tensor
+    io_type: str = "int8"  # --int8-only I/O: int8 | uint8
+    min_sqnr_db: float | None = None  # verification threshold; None: the mode's
+    edgetpu: bool = False
+    equalize: bool = False
+    plan: str | None = None  # layer-wise plan (analyze plan): those layers stay float
+    int4_granularity: str = "channel"
+    bias_correct: bool = False
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "mode", Mode(self.mode))
+        except ValueError as exc:
+            raise UsageError(f"unknown mode {self.mode!r}; choose one of: {', '.join(m.value for m in Mode)}") from exc
+        if self.plan is not None:
+            object.__setattr__(self, "plan", str(self.plan))
+        spec = self.spec
+        if self.io_type not in ("int8", "uint8"):
+            raise UsageError(f"--io-type must be int8 or uint8, got {self.io_type!r}")
+        if self.io_type == "uint8" and not spec.integer_io:
+            raise UsageError("--io-type uint8 applies to --int8-only")
+        if self.int4_granularity not in INT4_GRANULARITIES:
+            raise UsageError(f"--int4-granularity must be one of {', '.join(INT4_GRANULARITIES)}")
+        if self.edgetpu and spec.mode != Mode.INT8_ONLY:
+            raise UsageError("--edgetpu needs --int8-only: the Edge TPU runs only fully integer models")
+        if self.granularity not in ("per-channel", "per-tensor"):
+            raise UsageError(f"--granularity must be per-channel or per-tensor, got {self.granularity!r}")
+        if self.bias_correct and not spec.calibrate:
+            raise UsageError("--bias-correct corrects integer PTQ: use it with --int8, --int8-only or --int16x8")
+        if self.plan and spec.mode != Mode.INT8:
+            raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
+
+    @property
+    def spec(self) -> ModeSpec:
+        return MODES[self.mode]
+
+
+def convert(model: Any, out: str | Path | None = None, options: ConvertOptions | None = None) -> ConversionResult:
     """Convert a Keras model (object or .keras/.h5/SavedModel path) and verify the result.
 
     Returns the written model's description; raises ConversionError (IntegerOnlyError
     for float ops in an integer-only model) and leaves nothing on disk when it fails.
     """
+    from edgeq.model_io import as_tf_keras
+    from edgeq.shims.tflite import native_output_silenced
     from edgeq.train.schemes import is_qat_model
 
-    try:
-        spec = MODES[Mode(mode)]
-    except ValueError as exc:
-        raise UsageError(f"unknown mode {mode!r}; choose one of: {', '.join(m.value for m in Mode)}") from exc
-    if io_type not in ("int8", "uint8"):
-        raise UsageError(f"--io-type must be int8 or uint8, got {io_type!r}")
-    if io_type == "uint8" and not spec.integer_io:
-        raise UsageError("--io-type uint8 applies to --int8-only")
-    if int4_granularity not in INT4_GRANULARITIES:
-        raise UsageError(f"--int4-granularity must be one of {', '.join(INT4_GRANULARITIES)}")
-    if edgetpu and spec.mode != Mode.INT8_ONLY:
-        raise UsageError("--edgetpu needs --int8-only: the Edge TPU runs only fully integer models")
-    if granularity not in ("per-channel", "per-tensor"):
-        raise UsageError(f"--granularity must be per-channel or per-tensor, got {granularity!r}")
+    options = options or ConvertOptions()
+    spec = options.spec
+    calib, calib_samples, granularity = options.calib, options.calib_samples, options.granularity
+    io_type, equalize, plan, bias_correct = options.io_type, options.equalize, options.plan, options.bias_correct
     keras_model, source_path = _load_source(model)
     reference_model = keras_model  # verification compares with this, whatever --equalize/--bias-correct change
     source_name = str(source_path) if source_path else keras_model.name
@@ -294,12 +321,10 @@ def convert(
         raise UsageError(
             f"{source_name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
         )
-    if bias_correct and not spec.calibrate:
-        raise UsageError("--bias-correct corrects integer PTQ: use it with --int8, --int8-only or --int16x8")
-    if plan and spec.mode != Mode.INT8:
-        raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
+    if equalize or plan or bias_correct:  # graph transforms work on tf_keras: a Keras 3 model is translated
+        keras_model = as_tf_keras(keras_model)
     if equalize:
-        from edgeq.analyze.equalize import equalized_copy
+        from edgeq.transforms.equalize import equalized_copy
 
         keras_model, pairs = equalized_copy(keras_model)
         if pairs:
@@ -319,8 +344,8 @@ def convert(
 
     dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
     if bias_correct and dataset is not None:
-        from edgeq.analyze.bias_correction import correct_biases
-        from edgeq.train.fold import fold_batchnorm
+        from edgeq.transforms.bias_correction import correct_biases
+        from edgeq.transforms.fold import fold_batchnorm
 
         if not equalize:  # equalized_copy has folded BN into a copy already
             folded = fold_batchnorm(keras_model)
@@ -355,10 +380,13 @@ def convert(
         if plan:
             flatbuffer = _convert_with_plan(keras_model, plan, dataset, calib_samples, granularity, notes)
         elif spec.backend == "aeq":
-            flatbuffer = _convert_with_aeq(keras_model, spec, int4_granularity, notes)
+            flatbuffer = _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
         else:
-            converter = _converter(keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat, edgetpu)
-            flatbuffer = converter.convert()
+            converter = _converter(
+                keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat, options.edgetpu
+            )
+            with native_output_silenced():
+                flatbuffer = converter.convert()
     except (UsageError, DataError):
         raise
     except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
@@ -367,7 +395,7 @@ def convert(
 
     tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
     verification = _verify(
-        tflite, reference_model, spec, dataset, data_spec, calib_samples, io_type, source_name, min_sqnr_db
+        tflite, reference_model, spec, dataset, data_spec, calib_samples, io_type, source_name, options.min_sqnr_db
     )
     op_counts = dict(Counter(op.op_name for op in tflite.ops()))
 
@@ -390,7 +418,7 @@ def convert(
         },
         "options": {
             "granularity": granularity,
-            "int4_granularity": int4_granularity if spec.backend == "aeq" else None,
+            "int4_granularity": options.int4_granularity if spec.backend == "aeq" else None,
             "equalize": equalize,
             "plan": str(plan) if plan else None,
             "io_type": io_type if spec.integer_io else "float32",
@@ -406,7 +434,7 @@ def convert(
     }
     # The model is moved into place only now that it passed; the manifest follows it.
     write_bytes_atomic(out, flatbuffer)
-    if edgetpu:
+    if options.edgetpu:
         manifest["edgetpu"] = _edgetpu(out, flatbuffer, notes)
         manifest["notes"] = notes
     write_json_atomic(manifest_path(out), manifest)
@@ -434,7 +462,7 @@ def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str])
     DEQUANTIZE"), so the float weights QAT fine-tuned (qat_float.keras, beside qat.h5)
     are converted with 16x8 post-training quantization instead.
     """
-    from edgeq.train.fit import QAT_FLOAT_NAME, load_user_model
+    from edgeq.model_io import QAT_FLOAT_NAME, load_user_model
     from edgeq.train.schemes import activation_bits_of
 
     if 16 not in activation_bits_of(keras_model):
@@ -455,12 +483,14 @@ def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str])
 def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes: list[str]) -> bytes:
     """FP32 TFLite, then AI Edge Quantizer's INT4 recipe on it (weight-only or dynamic)."""
     from edgeq.compat import tf
+    from edgeq.shims.tflite import native_output_silenced
 
     try:
         from ai_edge_quantizer import qtyping, quantizer
     except ImportError as exc:
         raise UsageError(f'--{spec.mode.value} needs AI Edge Quantizer: pip install "edgeq[train]"') from exc
-    float_model = tf.lite.TFLiteConverter.from_keras_model(keras_model).convert()
+    with native_output_silenced():
+        float_model = tf.lite.TFLiteConverter.from_keras_model(keras_model).convert()
     qt = quantizer.Quantizer(float_model)
     add = qt.add_weight_only_config if spec.mode == Mode.INT4_WEIGHTS else qt.add_dynamic_config
     add(
@@ -489,7 +519,7 @@ def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes:
 
 def _convert_with_plan(keras_model, plan, dataset, samples, granularity, notes) -> bytes:
     """Full integer except the layers the plan keeps float (denylisted at quantization)."""
-    from edgeq.analyze.sensitivity import calibrate
+    from edgeq.calibration import calibrate
     from edgeq.train.layer_config import LayerConfig, LayerPrecision
 
     names = [layer.name for layer in keras_model.layers]
@@ -497,7 +527,7 @@ def _convert_with_plan(keras_model, plan, dataset, samples, granularity, notes) 
     float_layers = [name for name, p in resolved.items() if p.keep_float]
     int4_layers = [name for name, p in resolved.items() if not p.keep_float and p.weight_bits == 4]
     if int4_layers:
-        from edgeq.analyze.plan import int4_weight_copy
+        from edgeq.transforms.int4 import int4_weight_copy
 
         keras_model = int4_weight_copy(keras_model, int4_layers)
         notes.append(

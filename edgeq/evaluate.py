@@ -1,7 +1,7 @@
 """Quantized vs FP32: accuracy, drop, agreement and output error.
 
-``compare_outputs`` is numpy only (the device side uses it too); ``evaluate`` loads the
-models, and needs TensorFlow only when the reference is a Keras model.
+``evaluate`` loads the models, and needs TensorFlow only when the reference is a Keras
+model; the output measures themselves are ``edgeq.metrics`` (numpy only).
 """
 
 from __future__ import annotations
@@ -13,41 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import ModelLoadError, QualityGateError
-
-
-@dataclass(frozen=True)
-class OutputComparison:
-    samples: int
-    agreement: float  # top-1 agreement
-    mae: float
-    mse: float
-    max_abs_error: float
-    sqnr_db: float  # 10 log10(sum ref^2 / sum (ref - q)^2); inf when identical
-    cosine: float  # mean cosine similarity per sample
-
-
-def compare_outputs(reference: np.ndarray, quantized: np.ndarray) -> OutputComparison:
-    ref = np.asarray(reference, dtype=np.float64).reshape(len(reference), -1)
-    q = np.asarray(quantized, dtype=np.float64).reshape(len(quantized), -1)
-    if ref.shape != q.shape:
-        raise ValueError(f"output shapes differ: {ref.shape} vs {q.shape}")
-    if len(ref) == 0:
-        raise ValueError("no samples to compare")
-    err = ref - q
-    noise = float(np.sum(err**2))
-    signal = float(np.sum(ref**2))
-    sqnr = math.inf if noise == 0 else (10.0 * math.log10(signal / noise) if signal > 0 else -math.inf)
-    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(q, axis=1)
-    cos = np.where(norms > 0, np.sum(ref * q, axis=1) / np.where(norms > 0, norms, 1), 1.0)
-    return OutputComparison(
-        samples=len(ref),
-        agreement=float(np.mean(ref.argmax(1) == q.argmax(1))),
-        mae=float(np.mean(np.abs(err))),
-        mse=float(np.mean(err**2)),
-        max_abs_error=float(np.max(np.abs(err))),
-        sqnr_db=float(sqnr),
-        cosine=float(np.mean(cos)),
-    )
+from edgeq.metrics import compare_outputs
 
 
 @dataclass(frozen=True)
@@ -88,11 +54,14 @@ def _reference_predictions(reference: Path, x: np.ndarray) -> tuple[np.ndarray, 
         ref = TFLiteModel(reference)
         return ref.predict(x, batch_size=1), reference.stat().st_size
     from edgeq.compat import tf
-    from edgeq.train.fit import load_user_model
+    from edgeq.model_io import load_user_model
 
     model = load_user_model(reference)
+    from edgeq.shims.tflite import native_output_silenced
+
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
-    fp32_size = len(converter.convert())
+    with native_output_silenced():
+        fp32_size = len(converter.convert())
     return model.predict(x, batch_size=256, verbose=0), fp32_size
 
 

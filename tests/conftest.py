@@ -38,9 +38,9 @@ def digits_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def digits_int8(digits_run):
     """The QAT model converted with --int8-only."""
-    from edgeq.convert import convert
+    from edgeq.convert import ConvertOptions, convert
 
-    return convert(digits_run.qat_model, digits_run.out_dir / "digits_int8.tflite", mode="int8-only")
+    return convert(digits_run.qat_model, digits_run.out_dir / "digits_int8.tflite", ConvertOptions(mode="int8-only"))
 
 
 @pytest.fixture

@@ -149,8 +149,8 @@ def test_plan_meets_the_budget_and_keeps_every_other_layer_integer(cli, outlier_
 
 
 def test_equalize_alone_recovers_most_of_it_fully_integer(cli, outlier_model, tmp_path):
-    from edgeq.analyze.equalize import equalized_copy
-    from edgeq.compat import load_keras_model
+    from edgeq.model_io import load_keras_model
+    from edgeq.transforms.equalize import equalized_copy
 
     model = load_keras_model(outlier_model)
     equalized, pairs = equalized_copy(model)
@@ -229,14 +229,14 @@ def test_blockwise_int4_says_which_weights_stayed_float(cli, digits_run, tmp_pat
 
 
 def test_qat_4bit_export_stores_packed_int4_weights(digits_run, finetune, tmp_path):
-    from edgeq.convert import convert
+    from edgeq.convert import ConvertOptions, convert
     from edgeq.runtime.flatbuffer import bytes_by_dtype, read_tflite, tensors_by_dtype
 
     run = finetune(tmp_path / "w4", qat_epochs=1, weight_bits=4)
-    w4 = convert(run.qat_model, tmp_path / "w4.tflite", mode="int8-only")
+    w4 = convert(run.qat_model, tmp_path / "w4.tflite", ConvertOptions(mode="int8-only"))
     desc = read_tflite(w4.path)
     assert tensors_by_dtype(desc).get("int4") == 4  # three convs and the dense layer
-    w8 = convert(digits_run.qat_model, tmp_path / "w8.tflite", mode="int8-only")
+    w8 = convert(digits_run.qat_model, tmp_path / "w8.tflite", ConvertOptions(mode="int8-only"))
     int4_bytes, int8_bytes = bytes_by_dtype(desc)["int4"], bytes_by_dtype(read_tflite(w8.path))["int8"]
     assert int4_bytes <= 0.55 * int8_bytes  # two weights per byte (plus per-channel params)
     assert w4.size_bytes < 0.7 * w8.size_bytes
@@ -244,8 +244,8 @@ def test_qat_4bit_export_stores_packed_int4_weights(digits_run, finetune, tmp_pa
 
 @pytest.mark.parametrize("granularity", ["per-tensor", "per-channel"])
 def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granularity):
-    from edgeq.compat import load_keras_model
-    from edgeq.convert import convert
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.model_io import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
 
     d = load_dataset("digits")
@@ -255,18 +255,15 @@ def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granula
         r = convert(
             digits_run.fp32_model,
             tmp_path / f"bc{corrected}.tflite",
-            mode="int8-only",
-            calib="digits",
-            granularity=granularity,
-            bias_correct=corrected,
+            ConvertOptions(mode="int8-only", calib="digits", granularity=granularity, bias_correct=corrected),
         )
         mse[corrected] = float(np.mean((TFLiteModel(r.path).predict(d.x_test) - reference) ** 2))
     assert mse[True] < 0.95 * mse[False], mse
 
 
 def test_equalize_reduces_int8_output_error_on_unbalanced_channels(outlier_model, tmp_path):
-    from edgeq.compat import load_keras_model
-    from edgeq.convert import convert
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.model_io import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
 
     d = load_dataset("digits")
@@ -276,11 +273,7 @@ def test_equalize_reduces_int8_output_error_on_unbalanced_channels(outlier_model
         r = convert(
             outlier_model,
             tmp_path / f"eq{equalized}.tflite",
-            mode="int8",
-            calib="digits",
-            granularity="per-tensor",
-            equalize=equalized,
-            min_sqnr_db=-100,
+            ConvertOptions(mode="int8", calib="digits", granularity="per-tensor", equalize=equalized, min_sqnr_db=-100),
         )
         mse[equalized] = float(np.mean((TFLiteModel(r.path).predict(d.x_test) - reference) ** 2))
     assert mse[True] < 0.1 * mse[False], mse
@@ -323,8 +316,8 @@ def test_int4_plan_feeds_qat_which_exports_packed_int4_exactly_there(cli, digits
         out,
     )
     assert trained.exit_code == 0, trained.output
-    from edgeq.convert import convert
+    from edgeq.convert import ConvertOptions, convert
     from edgeq.runtime.flatbuffer import read_tflite, tensors_by_dtype
 
-    tfl = convert(out / "qat.h5", tmp_path / "mixed.tflite", mode="int8-only")
+    tfl = convert(out / "qat.h5", tmp_path / "mixed.tflite", ConvertOptions(mode="int8-only"))
     assert tensors_by_dtype(read_tflite(tfl.path)).get("int4", 0) == len(int4_layers)

@@ -7,7 +7,7 @@ import pytest
 
 from edgeq.commands.convert import MODE_FLAGS
 from edgeq.compat import keras, tf
-from edgeq.convert import MODES, Mode, convert
+from edgeq.convert import MODES, ConvertOptions, Mode, convert
 from edgeq.errors import IntegerOnlyError, UsageError
 from edgeq.runtime.interpreter import TFLiteModel
 from tests.conftest import assert_one_line_error
@@ -32,7 +32,11 @@ EXPECTED = {  # mode: (input dtype, dtypes that must appear among the weights)
 
 @pytest.mark.parametrize("mode", [m.value for m in Mode])
 def test_every_mode_converts_ptq_and_verifies(digits_run, tmp_path, mode):
-    result = convert(digits_run.fp32_model, tmp_path / f"m_{mode}.tflite", mode=mode, calib="digits", calib_samples=100)
+    result = convert(
+        digits_run.fp32_model,
+        tmp_path / f"m_{mode}.tflite",
+        ConvertOptions(mode=mode, calib="digits", calib_samples=100),
+    )
     assert result.verification.passed and result.verification.agreement >= 0.95
     model = TFLiteModel(result.path, use_default_delegates=False)
     io_dtype, weight_dtypes = EXPECTED[mode]
@@ -50,9 +54,7 @@ def test_per_tensor_ptq_has_one_scale_per_weight_tensor(digits_run, tmp_path):
         r = convert(
             digits_run.fp32_model,
             tmp_path / f"{granularity}.tflite",
-            mode="int8-only",
-            calib="digits",
-            granularity=granularity,
+            ConvertOptions(mode="int8-only", calib="digits", granularity=granularity),
         )
         model = TFLiteModel(r.path, use_default_delegates=False)
         scales[granularity] = [
@@ -65,7 +67,7 @@ def test_per_tensor_ptq_has_one_scale_per_weight_tensor(digits_run, tmp_path):
 
 
 def test_uint8_io_for_coral(digits_run, digits_int8, tmp_path):
-    r = convert(digits_run.qat_model, tmp_path / "u8.tflite", mode="int8-only", io_type="uint8")
+    r = convert(digits_run.qat_model, tmp_path / "u8.tflite", ConvertOptions(mode="int8-only", io_type="uint8"))
     model = TFLiteModel(r.path, use_default_delegates=False)
     assert model.input.dtype == "uint8" and model.output.dtype == "uint8"
     assert r.verification.integer_only and r.verification.agreement >= 0.99
@@ -76,7 +78,11 @@ def test_mobilenetv2_ptq_int8_only_with_synthetic_calibration(tmp_path):
 
     path = tmp_path / "mnv2.keras"
     zoo.build("mobilenetv2", (96, 96, 3), 10, alpha=0.35).save(path)
-    r = convert(path, tmp_path / "mnv2_int8.tflite", mode="int8-only", calib="synthetic:96x96x3:10", calib_samples=32)
+    r = convert(
+        path,
+        tmp_path / "mnv2_int8.tflite",
+        ConvertOptions(mode="int8-only", calib="synthetic:96x96x3:10", calib_samples=32),
+    )
     assert r.verification.passed and r.verification.integer_only
     assert r.ops.get("CONV_2D", 0) > 30 and r.ops.get("DEPTHWISE_CONV_2D", 0) > 10
     manifest = json.loads(r.manifest.read_text())
@@ -103,7 +109,7 @@ def test_int8_only_refuses_a_model_with_float_ops_and_leaves_nothing(cli, tmp_pa
     assert not out.exists() and not (out.parent / "cos.manifest.json").exists()
     assert not out.parent.exists() or not list(out.parent.iterdir())  # no temp files either
     # With float fallback allowed the same model converts, and the manifest says what stays float.
-    ok = convert(model, tmp_path / "cos_int8.tflite", mode="int8", calib="digits")
+    ok = convert(model, tmp_path / "cos_int8.tflite", ConvertOptions(mode="int8", calib="digits"))
     assert any(op.startswith("COS") for op in ok.verification.float_ops)
     assert not ok.verification.integer_only
 
@@ -114,7 +120,7 @@ def test_op_without_any_tflite_kernel_is_named(tmp_path):
     outputs = L.Dense(10)(L.Flatten()(tf.math.erf(L.Conv2D(4, 3)(inputs))))
     keras.Model(inputs, outputs).save(tmp_path / "erf.keras")
     with pytest.raises(IntegerOnlyError, match=r"tf\.Erf"):
-        convert(tmp_path / "erf.keras", tmp_path / "erf.tflite", mode="int8-only", calib="digits")
+        convert(tmp_path / "erf.keras", tmp_path / "erf.tflite", ConvertOptions(mode="int8-only", calib="digits"))
     assert not (tmp_path / "erf.tflite").exists()
 
 
@@ -122,9 +128,9 @@ def test_ptq_without_calibration_data_says_how_to_give_it(tmp_path):
     path = tmp_path / "lonely.keras"
     keras.Sequential([keras.layers.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(3)]).save(path)
     with pytest.raises(UsageError, match="--calib"):
-        convert(path, tmp_path / "x.tflite", mode="int8-only")
+        convert(path, tmp_path / "x.tflite", ConvertOptions(mode="int8-only"))
     # Modes without calibration need no data: verification falls back to random inputs.
-    r = convert(path, tmp_path / "x.tflite", mode="dynamic")
+    r = convert(path, tmp_path / "x.tflite", ConvertOptions(mode="dynamic"))
     assert "random" in r.verification.data
 
 

@@ -25,7 +25,7 @@ def test_file_that_is_not_a_model(cli, tmp_path):
     junk.write_bytes(b"this is not a model")
     out = tmp_path / "junk.tflite"
     assert_one_line_error(
-        cli("convert", junk, "--int8-only", "--calib", "digits", "--out", out), "junk.keras", "not a Keras 2 model"
+        cli("convert", junk, "--int8-only", "--calib", "digits", "--out", out), "junk.keras", "not a Keras file"
     )
     assert not out.exists()
     assert_one_line_error(cli("train", junk, "--data", "digits", "--out", tmp_path / "t"), "junk.keras")

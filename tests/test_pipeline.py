@@ -4,9 +4,9 @@ import json
 
 import numpy as np
 
-from edgeq.compat import load_keras_model
 from edgeq.data import load_dataset
 from edgeq.evaluate import evaluate
+from edgeq.model_io import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel
 
 

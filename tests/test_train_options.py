@@ -10,9 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from edgeq.compat import keras, load_keras_model, tf
-from edgeq.convert import convert
+from edgeq.compat import keras, tf
+from edgeq.convert import ConvertOptions, convert
 from edgeq.data import load_dataset
+from edgeq.model_io import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.train.fit import TrainConfig, _compile, train
 from tests.conftest import assert_one_line_error
@@ -42,7 +43,7 @@ def test_4bit_weights_qat_is_within_2_points_of_fp32_on_keras_and_tflite(digits_
     qat = load_keras_model(w4_run.qat_model)
     keras_acc = float(np.mean(qat.predict(d.x_test, verbose=0).argmax(1) == d.y_test))
     assert keras_acc >= fp32_acc - 0.02
-    tfl = convert(w4_run.qat_model, tmp_path / "w4.tflite", mode="int8-only")
+    tfl = convert(w4_run.qat_model, tmp_path / "w4.tflite", ConvertOptions(mode="int8-only"))
     tflite_acc = float(np.mean(TFLiteModel(tfl.path).predict(d.x_test).argmax(1) == d.y_test))
     assert tflite_acc >= fp32_acc - 0.02
     assert tfl.verification.integer_only
@@ -54,7 +55,7 @@ def test_4bit_weights_take_at_most_16_levels_per_channel(w4_run, tmp_path):
     weights = {w.name.split("/")[-1].split(":")[0]: w for w in wrapper.weights}
     assert _per_channel_levels(weights["kernel"], weights["kernel_min"], weights["kernel_max"], 4) <= 16
     # ... and in the exported TFLite file, every output channel of every conv kernel.
-    tfl = convert(w4_run.qat_model, tmp_path / "w4.tflite", mode="int8-only")
+    tfl = convert(w4_run.qat_model, tmp_path / "w4.tflite", ConvertOptions(mode="int8-only"))
     model = TFLiteModel(tfl.path, use_default_delegates=False)
     checked = 0
     for detail in model.interpreter.get_tensor_details():
@@ -112,7 +113,7 @@ def test_per_tensor_symmetric_qat_exports_one_scale_per_weight_and_zero_points_o
     run = finetune(tmp_path / "pt", qat_epochs=2, granularity="per-tensor", activations="symmetric")
     assert run.stages[-1].test_accuracy > 0.9
     assert json.loads(run.run.read_text())["quantization"]["batchnorm_folded_before_qat"]
-    tfl = convert(run.qat_model, tmp_path / "pt.tflite", mode="int8-only")
+    tfl = convert(run.qat_model, tmp_path / "pt.tflite", ConvertOptions(mode="int8-only"))
     # Folding first keeps the per-tensor model faithful (the converter's own fold is not).
     assert tfl.verification.agreement >= 0.98
     model = TFLiteModel(tfl.path, use_default_delegates=False)
@@ -129,7 +130,7 @@ def test_per_tensor_symmetric_qat_exports_one_scale_per_weight_and_zero_points_o
 
 
 def test_batchnorm_folding_is_exact_in_fp32_and_leaves_no_bn(digits_run):
-    from edgeq.train.fold import fold_batchnorm
+    from edgeq.transforms.fold import fold_batchnorm
 
     model = load_keras_model(digits_run.fp32_model)
     folded = fold_batchnorm(model)
@@ -320,7 +321,7 @@ def test_conv_followed_by_relu_layer_keeps_4bit_weight_quantization(tmp_path):
     run = train(
         TrainConfig(model=str(path), data="digits", out_dir=str(tmp_path / "r"), epochs=1, qat_epochs=1, weight_bits=4)
     )
-    tfl = convert(run.qat_model, tmp_path / "nobn.tflite", mode="int8-only")
+    tfl = convert(run.qat_model, tmp_path / "nobn.tflite", ConvertOptions(mode="int8-only"))
     tm = TFLiteModel(tfl.path, use_default_delegates=False)
     kernels = [
         tm.interpreter.get_tensor(d["index"])
@@ -358,7 +359,7 @@ def test_16bit_activation_qat_converts_to_int16x8_through_its_fine_tuned_float_m
     run = finetune(tmp_path / "a16", qat_epochs=1, activation_bits=16)
     refused = cli("convert", run.qat_model, "--int8-only", "--out", tmp_path / "x.tflite")
     assert_one_line_error(refused, "16-bit activations", "--int16x8")
-    result = convert(run.qat_model, tmp_path / "a16.tflite", mode="int16x8")
+    result = convert(run.qat_model, tmp_path / "a16.tflite", ConvertOptions(mode="int16x8"))
     assert any("qat_float.keras" in note for note in result.notes)
     from edgeq.runtime.flatbuffer import read_tflite, tensors_by_dtype
 

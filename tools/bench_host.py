@@ -54,7 +54,7 @@ def _bare_convert_seconds(model, dataset, samples: int) -> float:
 def measure() -> list[dict]:
     from edgeq import zoo
     from edgeq.compat import keras
-    from edgeq.convert import convert
+    from edgeq.convert import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.train.schemes import QuantSettings, build_qat_model
 
@@ -74,7 +74,11 @@ def measure() -> list[dict]:
             edgeq_times = []
             for i in range(2):
                 start = time.perf_counter()
-                convert(path, Path(tmp) / f"m{i}.tflite", mode="int8-only", calib=data, calib_samples=samples)
+                convert(
+                    path,
+                    Path(tmp) / f"m{i}.tflite",
+                    ConvertOptions(mode="int8-only", calib=data, calib_samples=samples),
+                )
                 edgeq_times.append(time.perf_counter() - start)
             edgeq = statistics.median(edgeq_times)
         rows.append(

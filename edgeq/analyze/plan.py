@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq.analyze.sensitivity import calibrate, exact_sensitivity, load_fp32_with_data, predict
+from edgeq.analyze.sensitivity import exact_sensitivity, load_fp32_with_data
 from edgeq.artifacts import write_json_atomic
+from edgeq.calibration import calibrate, predict
 from edgeq.errors import UsageError
+from edgeq.transforms.int4 import int4_weight_copy
 
 
 @dataclass(frozen=True)
@@ -41,22 +43,6 @@ class PlanResult:
     ranking: tuple[str, ...]
     data: str
     seconds: float
-
-
-def int4_weight_copy(model, layers: list[str]):
-    """A copy of ``model`` whose ``layers`` carry per-channel INT4 weights (16 levels), for measuring."""
-    from edgeq.compat import keras
-    from edgeq.numerics import QuantSpec, fake_quantize
-
-    clone = keras.models.clone_model(model)
-    clone.set_weights(model.get_weights())
-    spec = QuantSpec(bits=4, symmetric=True, narrow_range=True, axis=-1)
-    for name in layers:
-        layer = clone.get_layer(name)
-        weights = layer.get_weights()
-        weights[0] = fake_quantize(weights[0], spec).astype(weights[0].dtype)
-        layer.set_weights(weights)
-    return clone
 
 
 def _weight_count(model, layers) -> int:

@@ -8,151 +8,23 @@ exact: for each layer, the model quantized everywhere but there, and quantized o
        there; accuracy and output MSE against FP32 on real data.
 
 The calibrated model is made once; every variant is a re-quantization of it
-(``mlir_quantize`` with denylisted nodes), as the debugger itself does.
+(``edgeq.calibration``), as the debugger itself does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import re
-import sys
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from edgeq.data import Dataset
+from edgeq.calibration import Calibrated, calibrate, predict
 from edgeq.errors import UsageError
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def native_output_silenced():
-    """Silence what native code writes to the process's stdout (fd 1) for a moment."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
-
-
-@dataclass
-class Calibrated:
-    """A float model calibrated once, ready to be quantized with any layers left float."""
-
-    float_model: bytes
-    calibrated: bytes
-    per_tensor: bool
-    nodes: list[str]  # quantized ops' output tensor names, graph order
-    layer_of: dict[str, str]  # node -> Keras layer name (or the node itself)
-    debugger: object = field(repr=False, default=None)
-
-    def quantize(self, float_nodes: Iterable[str] = ()) -> bytes:
-        """Full-integer model (float I/O) with ``float_nodes`` left in float."""
-        from tensorflow.lite.python import convert as _convert
-
-        denylist = sorted(set(float_nodes))
-        with native_output_silenced():  # the quantizer prints a line per call on stdout
-            return _convert.mlir_quantize(
-                self.calibrated,
-                disable_per_channel=self.per_tensor,
-                fully_quantize=False,
-                denylisted_nodes=denylist or None,
-            )
-
-    def nodes_of_layers(self, layers: Iterable[str]) -> list[str]:
-        wanted = set(layers)
-        return [n for n in self.nodes if self.layer_of[n] in wanted or n in wanted]
-
-    @property
-    def layers(self) -> list[str]:
-        seen: list[str] = []
-        for n in self.nodes:
-            if self.layer_of[n] not in seen:
-                seen.append(self.layer_of[n])
-        return seen
-
-
-def _channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> float:
-    f = np.asarray(float_tensor, dtype=np.float64)
-    q = (np.asarray(quant_tensor, dtype=np.float64) - zero_point) * scale
-    f2 = f.reshape(-1, f.shape[-1]) if f.ndim > 1 else f.reshape(-1, 1)
-    q2 = q.reshape(f2.shape)
-    if f2.shape[0] < 2:  # one value per channel (Dense, pooled): the whole vector is the signal
-        noise_all = float(np.sum((f2 - q2) ** 2))
-        return (
-            100.0 if noise_all == 0 else float(min(100.0, 10 * np.log10(max(float(np.sum(f2**2)), 1e-30) / noise_all)))
-        )
-    noise = np.sum((f2 - q2) ** 2, axis=0)
-    signal = np.sum((f2 - f2.mean(axis=0)) ** 2, axis=0)  # what the channel carries, not its offset
-    live = signal > 0
-    if not np.any(live):
-        return 100.0
-    per_channel = np.where(noise[live] > 0, 10 * np.log10(signal[live] / np.maximum(noise[live], 1e-30)), 100.0)
-    return float(np.median(np.minimum(per_channel, 100.0)))
-
-
-def _rmse_over_scale(float_tensor, quant_tensor, scale, zero_point) -> float:
-    q = (np.asarray(quant_tensor, dtype=np.float64) - zero_point) * scale
-    return float(np.sqrt(np.mean((np.asarray(float_tensor, dtype=np.float64) - q) ** 2)) / scale) if scale else 0.0
-
-
-def layer_name_for(node: str, layer_names: list[str]) -> str:
-    """The Keras layer an op's output tensor belongs to, from its name path."""
-    parts = set(re.split(r"[/;:]", node))
-    for name in sorted(layer_names, key=len, reverse=True):
-        if name in parts or f"quant_{name}" in parts:
-            return name
-    return node.split(";")[0]
-
-
-def calibrate(keras_model, dataset: Dataset, samples: int = 200, per_tensor: bool = False) -> Calibrated:
-    from edgeq.compat import tf
-
-    if len(dataset.x_train) == 0:
-        raise UsageError(f"data {dataset.source!r} has no samples to calibrate with")
-    converter = tf.lite.TFLiteConverter.from_keras_model(keras_model)
-    float_model = converter.convert()
-    converter = tf.lite.TFLiteConverter.from_keras_model(keras_model)
-    converter.optimizations = [tf.lite.Optimize.DEFAULT]
-    converter.representative_dataset = dataset.representative_dataset(samples)
-    if per_tensor:
-        converter._experimental_disable_per_channel = True  # noqa: SLF001
-    options = tf.lite.experimental.QuantizationDebugOptions(
-        layer_direct_compare_metrics={"channel_sqnr_db": _channel_sqnr, "rmse_over_scale": _rmse_over_scale}
-    )
-    debugger = tf.lite.experimental.QuantizationDebugger(
-        converter=converter,
-        debug_dataset=dataset.representative_dataset(min(samples, 64), seed=2),
-        debug_options=options,
-    )
-    # Nodes are named as denylisted_nodes wants them: the output tensors of the
-    # calibrated model's ops, in graph order.
-    from edgeq.runtime.interpreter import TFLiteModel
-
-    graph = TFLiteModel(model_content=debugger.calibrated_model, use_default_delegates=False, verify=False)
-    names = {d["index"]: d["name"] for d in graph.interpreter.get_tensor_details()}
-    layer_names = [layer.name for layer in keras_model.layers]
-    nodes, layer_of = [], {}
-    for op in graph.interpreter._get_ops_details():  # noqa: SLF001
-        if not op["outputs"].size:
-            continue
-        node = names[op["outputs"][0]]
-        nodes.append(node)
-        guess = layer_name_for(node, layer_names)
-        layer_of[node] = guess if guess != node.split(";")[0] or "/" in node else f"{op['op_name'].lower()}:{node}"
-    return Calibrated(float_model, debugger.calibrated_model, per_tensor, nodes, layer_of, debugger)
 
 
 @dataclass(frozen=True)
@@ -202,12 +74,6 @@ def _finite(obj):
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return obj
-
-
-def predict(model_bytes: bytes, x: np.ndarray) -> np.ndarray:
-    from edgeq.runtime.interpreter import TFLiteModel
-
-    return TFLiteModel(model_content=model_bytes, use_default_delegates=False, verify=False).predict(x, batch_size=1)
 
 
 def _node_for_debug_tensor(name: str, nodes: list[str]) -> str | None:
@@ -274,10 +140,10 @@ def exact_sensitivity(cal: Calibrated, x: np.ndarray, y: np.ndarray, progress=No
 def load_fp32_with_data(model_path, data: str, verb: str):
     """The FP32 Keras model and a dataset that fits its input; a QAT model is refused."""
     from edgeq.data import load_dataset
-    from edgeq.train.fit import load_user_model
+    from edgeq.model_io import load_tf_keras_model
     from edgeq.train.schemes import is_qat_model
 
-    model = load_user_model(model_path)
+    model = load_tf_keras_model(model_path)
     if is_qat_model(model):
         raise UsageError(f"{model_path} is a QAT model; {verb} the FP32 model it was trained from")
     input_shape = tuple(model.input_shape[1:])

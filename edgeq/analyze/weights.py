@@ -14,6 +14,7 @@ import numpy as np
 
 from edgeq.errors import ModelLoadError, UsageError
 from edgeq.numerics import QuantSpec, fake_quantize, sqnr_db
+from edgeq.shims.litert import ops_details
 
 OUTLIER_SIGMA = 3.0
 INT4_SAFE_SQNR_DB = 14.0  # INT4 per-channel weights that keep this much SQNR rarely cost accuracy
@@ -94,12 +95,13 @@ def tflite_weights(path: str | Path) -> list[LayerWeights]:
 
     model = TFLiteModel(path, use_default_delegates=False)
     it = model.interpreter
+    tensors = {d["index"]: d for d in it.get_tensor_details()}
     result = []
-    for op in it._get_ops_details():  # noqa: SLF001
+    for op in ops_details(it):
         axis = _TFLITE_WEIGHT_OPS.get(op["op_name"])
         if axis is None or len(op["inputs"]) < 2:
             continue
-        detail = it._get_tensor_details(op["inputs"][1], 0)  # noqa: SLF001
+        detail = tensors[op["inputs"][1]]
         try:
             w = it.get_tensor(detail["index"])
         except ValueError:
@@ -124,9 +126,9 @@ def load_weights(model_path: str | Path) -> list[LayerWeights]:
     if path.suffix == ".tflite":
         layers = tflite_weights(path)
     else:
-        from edgeq.train.fit import load_user_model
+        from edgeq.model_io import load_tf_keras_model
 
-        layers = keras_weights(load_user_model(path))
+        layers = keras_weights(load_tf_keras_model(path))
     if not layers:
         raise UsageError(f"{path}: no quantizable layers (Conv, DepthwiseConv, Dense) with weights to analyze")
     return layers

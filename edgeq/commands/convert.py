@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands._format import table
+from edgeq.commands.ui import table
 
 # Mode flags are spelled here from the same names as edgeq.convert.MODES (a test checks
 # that the two agree), so that `edgeq convert --help` does not import TensorFlow.
@@ -82,23 +82,23 @@ def convert(
     import json
     from dataclasses import asdict
 
+    from edgeq.convert import ConvertOptions
     from edgeq.convert import convert as run_convert
 
-    result = run_convert(
-        model,
-        out,
-        mode or ("int8" if plan else "int8-only"),
-        calib,
-        calib_samples,
-        granularity,
-        io_type,
-        min_sqnr,
+    options = ConvertOptions(
+        mode=mode or ("int8" if plan else "int8-only"),
+        calib=calib,
+        calib_samples=calib_samples,
+        granularity=granularity,
+        io_type=io_type,
+        min_sqnr_db=min_sqnr,
         edgetpu=edgetpu,
         equalize=equalize,
         plan=plan,
         int4_granularity=int4_granularity,
         bias_correct=bias_correct,
     )
+    result = run_convert(model, out, options)
     if json_out:
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.profile import format_table, human_bytes
+from edgeq.commands.ui import human_bytes, table, write_json_output
 
 
 def _quant(scale: tuple[float, ...], zero_point: tuple[int, ...]) -> str:
@@ -30,7 +30,7 @@ def render(report, show_ops: bool = True) -> str:
         for kind, tensors in (("input", report.inputs), ("output", report.outputs))
         for t in tensors
     ]
-    lines += [format_table(["", "tensor", "shape", "dtype", "quantization"], rows), ""]
+    lines += [table(["", "tensor", "shape", "dtype", "quantization"], rows, numbers=True), ""]
     if show_ops:
         rows = [
             [
@@ -43,7 +43,7 @@ def render(report, show_ops: bool = True) -> str:
             ]
             for op in report.ops
         ]
-        lines += [format_table(["#", "op", "precision", "inputs", "outputs", "fused"], rows), ""]
+        lines += [table(["#", "op", "precision", "inputs", "outputs", "fused"], rows, numbers=True), ""]
     summary = report.op_summary
     by_type = ", ".join(f"{name} x{count}" for name, count in summary.by_type.items())
     lines.append(
@@ -82,10 +82,8 @@ def render(report, show_ops: bool = True) -> str:
 def inspect(model: str, json_out: str | None, show_ops: bool) -> None:
     """Signature, tensors, ops, dtypes and Edge TPU compatibility of MODEL.tflite (no interpreter)."""
     from edgeq.runtime.inspect import inspect_tflite, inspect_to_dict
-    from edgeq.runtime.profile import write_json
 
     report = inspect_tflite(model)
     click.echo(render(report, show_ops=show_ops))
     if json_out:
-        path = write_json(inspect_to_dict(report), json_out)
-        click.echo(f"wrote {path}")
+        write_json_output(inspect_to_dict(report), json_out)

@@ -6,25 +6,20 @@ from pathlib import Path
 
 import click
 
+from edgeq.commands.ui import (
+    failed_exit,
+    host_key_option,
+    human_bytes,
+    inventory_option,
+    ms,
+    parallel_option,
+    pct,
+    progress_printer,
+    select_devices,
+    table,
+    write_json_output,
+)
 from edgeq.errors import UsageError
-
-
-def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    """Plain aligned columns: the first left-aligned, the rest right-aligned."""
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    lines = []
-    for row in [headers, *rows]:
-        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
 
 
 def parse_threads(text: str) -> tuple[int, ...]:
@@ -35,16 +30,6 @@ def parse_threads(text: str) -> tuple[int, ...]:
     if not counts or any(c < 1 for c in counts):
         raise UsageError(f"--threads {text!r}: each count must be at least 1, e.g. 1,2,4")
     return counts
-
-
-def _ms(value: float) -> str:
-    if value < 1:
-        return f"{value:.4f}"
-    return f"{value:.3f}" if value < 100 else f"{value:.1f}"
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.2f}%"
 
 
 def render(report) -> str:
@@ -75,33 +60,33 @@ def render(report) -> str:
                 [
                     name,
                     str(run.threads),
-                    _ms(run.init_ms),
-                    _ms(run.first_inference_ms),
-                    _ms(lat.mean_ms),
-                    _ms(lat.median_ms),
-                    _ms(lat.p90_ms),
-                    _ms(lat.p99_ms),
-                    _ms(lat.std_ms),
-                    _ms(lat.min_ms),
-                    _ms(lat.max_ms),
+                    ms(run.init_ms),
+                    ms(run.first_inference_ms),
+                    ms(lat.mean_ms),
+                    ms(lat.median_ms),
+                    ms(lat.p90_ms),
+                    ms(lat.p99_ms),
+                    ms(lat.std_ms),
+                    ms(lat.min_ms),
+                    ms(lat.max_ms),
                     f"{lat.throughput_per_s:.1f}",
                     f"{run.memory.peak_rss_load_mb:.1f}",
                     f"{run.memory.peak_rss_run_mb:.1f}",
                 ]
             )
-    lines.append(format_table(headers, rows))
+    lines.append(table(headers, rows, numbers=True))
     runs = report.model.runs[0].latency
     lines.append(f"(latency in ms over {runs.runs} runs after {runs.warmup} warm-up)")
     if report.model.accuracy is not None:
         acc = report.model.accuracy
-        text = f"accuracy {_pct(acc.accuracy)} on {acc.samples} samples" if acc.labelled else "accuracy n/a (no labels)"
+        text = f"accuracy {pct(acc.accuracy)} on {acc.samples} samples" if acc.labelled else "accuracy n/a (no labels)"
         if report.reference is not None and report.reference.accuracy is not None:
-            text += f", reference {_pct(report.reference.accuracy.accuracy)}"
+            text += f", reference {pct(report.reference.accuracy.accuracy)}"
         lines += ["", text]
     if report.agreement is not None:
         a = report.agreement
         lines.append(
-            f"vs reference: top-1 agreement {_pct(a.top1_agreement)}, max |error| {a.max_abs_error:.4g}, "
+            f"vs reference: top-1 agreement {pct(a.top1_agreement)}, max |error| {a.max_abs_error:.4g}, "
             f"mean |error| {a.mean_abs_error:.4g}, rmse {a.rmse:.4g}"
         )
     if report.comparison:
@@ -109,7 +94,7 @@ def render(report) -> str:
         for c in report.comparison:
             drop = "n/a" if c.accuracy_drop is None else f"{100 * c.accuracy_drop:+.2f} pt"
             rows.append([str(c.threads), f"{c.speedup:.2f}x", f"{c.size_ratio:.3f}", drop])
-        lines += ["", format_table(["threads", "speedup", "size ratio", "accuracy drop"], rows)]
+        lines += ["", table(["threads", "speedup", "size ratio", "accuracy drop"], rows, numbers=True)]
     return "\n".join(lines)
 
 
@@ -127,10 +112,10 @@ def render(report) -> str:
 @click.option("--json", "json_out", metavar="OUT", help="Write the full result as JSON here.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on long runs).")
 @click.option("--on", "on_targets", multiple=True, metavar="NAME|tag:X|all", help="Run on these devices over SSH.")
-@click.option("--inventory", "-i", "inventory_path", metavar="PATH", help="Device inventory (with --on).")
-@click.option("--parallel", "-j", default=4, show_default=True, type=click.IntRange(1, 64), help="Devices at once.")
+@inventory_option(help="Device inventory (with --on).")
+@parallel_option
 @click.option("--results", "results_dir", default="results", show_default=True, help="With --on: JSON to DIR/DEVICE/.")
-@click.option("--accept-new-host-keys", is_flag=True, help="With --on: record unknown host keys (changed ones fail).")
+@host_key_option(help="With --on: record unknown host keys (changed ones fail).")
 def profile(
     model: str,
     compare: str | None,
@@ -174,7 +159,7 @@ def profile(
         )
         _profile_fleet(model, options, on_targets, inventory_path, parallel, results_dir, accept_new_host_keys)
         return
-    from edgeq.runtime.profile import profile_model, report_to_dict, write_json
+    from edgeq.runtime.profile import profile_model, report_to_dict
 
     report = profile_model(
         model,
@@ -191,13 +176,11 @@ def profile(
     )
     click.echo(render(report))
     if json_out:
-        path = write_json(report_to_dict(report), json_out)
-        click.echo(f"wrote {path}")
+        write_json_output(report_to_dict(report), json_out)
 
 
 def _profile_fleet(model, options, targets, inventory_path, parallel, results_dir, accept_new) -> None:
     """``edgeq profile --on``: bounded parallelism, failures contained, non-zero exit if any failed."""
-    from edgeq.commands.devices import failed_exit, progress_printer, select_devices
     from edgeq.errors import ModelLoadError
     from edgeq.fleet.remote import for_each_device, profile_on
 
@@ -223,13 +206,13 @@ def _profile_fleet(model, options, targets, inventory_path, parallel, results_di
                 "ok",
                 r.machine,
                 r.runtime,
-                _ms(r.mean_ms),
-                _ms(r.median_ms),
-                _pct(r.accuracy),
+                ms(r.mean_ms),
+                ms(r.median_ms),
+                pct(r.accuracy),
                 f"{o.seconds:.1f}",
                 str(r.local_json),
             ]
         )
     headers = ["device", "status", "arch", "runtime", "mean ms", "median ms", "accuracy", "seconds", "result / error"]
-    click.echo(format_table(headers, rows))
+    click.echo(table(headers, rows, numbers=True))
     failed_exit(outcomes)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.devices import (
+from edgeq.commands.ui import (
     failed_exit,
     host_key_option,
     inventory_option,
     parallel_option,
     progress_printer,
     select_devices,
+    table,
 )
-from edgeq.commands.profile import format_table
 
 
 @click.command("push")
@@ -46,5 +46,5 @@ def push(files, targets, inventory_path, accept_new_host_keys, parallel, wheel, 
         rt = o.result.runtime
         rows.append([o.device, "ok", str(up), str(same), f"{rt.mode}, {rt.installed}", f"{o.seconds:.1f}", ""])
     headers = ["device", "status", "uploaded", "unchanged", "edgeq runtime", "seconds", "error"]
-    click.echo(format_table(headers, rows))
+    click.echo(table(headers, rows, numbers=True))
     failed_exit(outcomes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands._format import table
+from edgeq.commands.ui import table
 
 
 def _model_options(values: tuple[str, ...]) -> dict:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.devices import (
+from edgeq.commands.ui import (
     failed_exit,
     host_key_option,
     inventory_option,
     parallel_option,
     progress_printer,
     select_devices,
+    table,
 )
-from edgeq.commands.profile import format_table
 
 
 @click.command("verify")
@@ -68,7 +68,7 @@ def verify(model, targets, data, inputs, limit, tolerance, delegate, inventory_p
             ]
         )
     headers = ["device", "status", "arch", "device runtime", "samples", "outputs vs host", "top-1 agree", "error"]
-    click.echo(format_table(headers, rows))
+    click.echo(table(headers, rows, numbers=True))
     failed_exit(outcomes)
     if mismatched:
         from edgeq.errors import VerificationMismatch

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import edgeq
+from edgeq.artifacts import atomic_path
 from edgeq.errors import DeviceError
 from edgeq.fleet.push import device_python_c, push_files
 from edgeq.fleet.transport import Transport, confine
@@ -170,11 +171,9 @@ def _build_wheel(root: Path) -> Path:
         wheels = sorted(dist.glob("edgeq-*.whl"))
         if proc.returncode != 0 or not wheels:
             raise DeviceError(f"cannot build the edgeq wheel from {root}: {(proc.stderr or proc.stdout)[-400:]}")
-        out.mkdir(parents=True, exist_ok=True)
         final = out / wheels[0].name
-        part = out / f".{wheels[0].name}.{os.getpid()}.part"
-        shutil.copy2(wheels[0], part)
-        os.replace(part, final)
+        with atomic_path(final) as part:
+            shutil.copy2(wheels[0], part)
     log.info("built %s", final)
     return final
 

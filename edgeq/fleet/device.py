@@ -17,7 +17,11 @@ import zipfile
 
 
 def sha256_files(paths: list[str]) -> dict[str, str | None]:
-    """sha256 of each file; None for a file that is not there."""
+    """sha256 of each file; None for a file that is not there.
+
+    Not edgeq.artifacts.sha256_file: this file also runs as ``python -c`` on a device
+    before edgeq is installed there, so it imports nothing from edgeq at module level.
+    """
     result: dict[str, str | None] = {}
     for path in paths:
         try:
@@ -54,7 +58,7 @@ def run_raw(model: str, inputs: str, out: str, runtime: str | None, delegate: st
         x = data["inputs"]
     outputs = [np.array(tfl.invoke_raw(x[i : i + 1]), copy=True) for i in range(len(x))]
     stacked = np.concatenate(outputs, axis=0) if outputs else np.zeros((0,))
-    tmp = out + ".part"
+    tmp = out + ".part"  # edgeq.artifacts.atomic_path would do; see sha256_files for why not
     with open(tmp, "wb") as fh:
         np.savez(
             fh,

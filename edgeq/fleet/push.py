@@ -9,7 +9,6 @@ failures (a dropped connection) are retried with exponential backoff after recon
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -17,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgeq.artifacts import sha256_file
 from edgeq.errors import DeviceError, TransferError, UnsafePathError
 from edgeq.fleet.transport import Transport, confine, retry
 
@@ -37,14 +37,6 @@ class FileTransfer:
     status: str  # "uploaded" | "unchanged"
     seconds: float
     attempts: int
-
-
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def safe_name(name: str) -> str:

@@ -14,7 +14,6 @@ import base64
 import contextlib
 import hashlib
 import logging
-import os
 import posixpath
 import shlex
 import socket
@@ -23,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgeq.artifacts import atomic_path
 from edgeq.errors import ConnectionLost, DeviceError, HostKeyError, MissingExtraError, UnsafePathError
 from edgeq.fleet.inventory import Device
 
@@ -326,14 +326,8 @@ class SSHTransport(Transport):
         self._sftp_call(f"upload of {Path(local).name}", self.sftp.put, str(local), remote, callback=callback)
 
     def download(self, remote, local) -> None:
-        local = Path(local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.part-{os.getpid()}")
-        try:
+        with atomic_path(local) as tmp:
             self._sftp_call(f"download of {remote}", self.sftp.get, remote, str(tmp))
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def rename(self, src, dst) -> None:
         self._sftp_call("rename", self.sftp.posix_rename, src, dst)

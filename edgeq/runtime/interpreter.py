@@ -23,6 +23,7 @@ import numpy as np
 
 from edgeq.errors import ModelLoadError, RuntimeBackendError
 from edgeq.runtime.flatbuffer import EDGETPU_CUSTOM_OP, ModelDesc, verify_tflite
+from edgeq.shims.litert import ops_details
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ class TFLiteModel:
         """The ops of the graph with the dtypes of their inputs and outputs."""
         tensors = {d["index"]: np.dtype(d["dtype"]).name for d in self.interpreter.get_tensor_details()}
         result = []
-        for op in self.interpreter._get_ops_details():  # noqa: SLF001 - public in all backends
+        for op in ops_details(self.interpreter):
             result.append(
                 OpInfo(
                     index=int(op["index"]),

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import gc
-import hashlib
-import json
 import logging
 import math
 import os
@@ -26,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from edgeq import __version__
+from edgeq.artifacts import sha256_bytes
 from edgeq.errors import DataError, ModelLoadError, UsageError
+from edgeq.metrics import compare_outputs
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
 from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, dequantize, quantize
 
@@ -340,7 +340,7 @@ def load_npz(path: str | Path, model_input: TensorInfo, labels: str | None = Non
         if np.issubdtype(y.dtype, np.floating) and not np.all(np.equal(np.mod(y, 1), 0)):
             raise DataError(f"{path}: labels {key!r} are not whole class ids")
         y = y.astype(np.int64)
-    info = DataInfo(str(path), hashlib.sha256(content).hexdigest(), int(len(x)), key)
+    info = DataInfo(str(path), sha256_bytes(content), int(len(x)), key)
     return Dataset(x, y, info)
 
 
@@ -618,8 +618,6 @@ def profile_model(
         if outputs.shape != ref_outputs.shape:
             raise UsageError(f"outputs differ in shape: {outputs.shape} vs reference {ref_outputs.shape}")
         # The same metric definitions as edgeq eval and convert's verification (numpy only).
-        from edgeq.evaluate import compare_outputs
-
         cmp = compare_outputs(ref_outputs, outputs)
         agreement = Agreement(
             samples=cmp.samples,
@@ -688,13 +686,3 @@ def report_to_dict(report: ProfileReport) -> dict[str, Any]:
         return value
 
     return clean(dataclasses.asdict(report))
-
-
-def write_json(data: dict[str, Any], path: str | Path) -> Path:
-    """Write ``data`` atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path

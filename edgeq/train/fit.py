@@ -23,19 +23,25 @@ from typing import Any
 import numpy as np
 
 from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_atomic
-from edgeq.compat import keras, load_keras_model
+from edgeq.compat import keras
 from edgeq.data import load_dataset
-from edgeq.errors import DataError, ModelLoadError, TrainingInterrupted, UsageError
+from edgeq.errors import DataError, TrainingInterrupted, UsageError
+from edgeq.model_io import (
+    FP32_NAME,
+    QAT_FLOAT_NAME,
+    QAT_NAME,
+    as_tf_keras,
+    copy_weights_into,
+    is_keras3_model,
+    is_model_path,
+    load_user_model,
+)
 from edgeq.train import schemes
-from edgeq.train.fold import fold_batchnorm
 from edgeq.train.layer_config import LayerConfig, LayerPrecision
 from edgeq.train.schedule import Stage, make_schedule
+from edgeq.transforms.fold import fold_batchnorm
 
 log = logging.getLogger(__name__)
-
-FP32_NAME = "fp32.keras"
-QAT_NAME = "qat.h5"
-QAT_FLOAT_NAME = "qat_float.keras"  # the float weights QAT fine-tuned, without fake-quant (e.g. for --int16x8)
 
 
 @dataclass(frozen=True)
@@ -85,28 +91,6 @@ class TrainResult:
     run: Path
     stages: tuple[StageResult, ...]
     resumed_from: tuple[int, int] | None = None  # (stage index, epochs done) when resumed
-
-
-def _is_model_path(spec: str) -> bool:
-    return spec.endswith((".keras", ".h5", ".hdf5")) or "/" in spec or Path(spec).exists()
-
-
-def load_user_model(path: str | Path):
-    """Load a float tf_keras model from .keras, .h5 or a SavedModel folder, with clear errors."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such model file or folder")
-    try:
-        model = load_keras_model(path)
-    except Exception as exc:  # Keras raises many types for a bad file
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise ModelLoadError(
-            f"{path}: not a Keras 2 model that tf_keras can load ({first}); save it with tf_keras "
-            "(.keras/.h5/SavedModel) - TF-MOT needs Keras 2"
-        ) from exc
-    if not isinstance(model, keras.Model):
-        raise ModelLoadError(f"{path}: loaded, but it is not a Keras model (SavedModel without Keras metadata?)")
-    return model
 
 
 def _output_is_probability(model) -> bool:
@@ -202,13 +186,16 @@ def _resolve(config: TrainConfig):
     from edgeq import zoo
 
     recipe = None
-    if not _is_model_path(config.model):
+    if not is_model_path(config.model):
         recipe = zoo.load_recipe(config.model)
     data_source = config.data or (recipe.data if recipe else None)
     if not data_source:
         raise UsageError(f"{config.model}: give --data (digits, synthetic:HxWxC:K, npz:PATH, images:DIR)")
+    user_model = None  # the Keras 3 model the user gave, when they gave one
     if recipe is None:
         model = load_user_model(config.model)
+        if is_keras3_model(model):
+            user_model, model = model, as_tf_keras(model)
         if schemes.is_qat_model(model):
             raise UsageError(f"{config.model} is already quantization-aware; give edgeq train the FP32 model")
         input_shape = tuple(model.input_shape[1:])
@@ -245,7 +232,16 @@ def _resolve(config: TrainConfig):
         "learning_rate": config.learning_rate or (recipe.learning_rate if recipe else 1e-3),
         "qat_learning_rate": config.qat_learning_rate or (recipe.qat_learning_rate if recipe else 1e-4),
     }
-    return model, dataset, hp, recipe
+    return model, dataset, hp, recipe, user_model
+
+
+def _save_fp32(float_model, user_model, path: Path) -> None:
+    """fp32.keras in the user's Keras: a Keras 3 input gets its own model back, trained."""
+    if user_model is not None:
+        copy_weights_into(float_model, user_model)
+        float_model = user_model
+    with atomic_path(path) as tmp:
+        float_model.save(str(tmp))
 
 
 def _accuracy(model, x, y, batch_size=256) -> float:
@@ -274,7 +270,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
     if config.weight_bits not in range(2, 9):
         raise UsageError(f"--weight-bits must be between 2 and 8, got {config.weight_bits}")
     keras.utils.set_random_seed(config.seed)
-    model, dataset, hp, recipe = _resolve(config)
+    model, dataset, hp, recipe, user_model = _resolve(config)
     stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], config.weight_bits, config.activation_bits)
     if not stages:
         raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
@@ -289,6 +285,10 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         config.weight_bits, config.activation_bits, config.granularity, config.activations, layer_plan
     )
     quantizable = schemes.quantizable_layer_names(model)
+    if state is None and any(s.kind == "qat" for s in stages):
+        # A dry run of the quantization wrapping: a model TF-MOT cannot take fails now,
+        # in seconds and with the layer names, never after the FP32 epochs.
+        schemes.build_qat_model(model, settings)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     run = _Run(out_dir, stages, config)
@@ -314,8 +314,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
     if not any(s.kind == "fp32" for s in stages) and not (out_dir / FP32_NAME).exists():
         # QAT-only schedule: the model as given is the FP32 reference. Saved now, because QAT
         # copies its fine-tuned weights back into this very model object.
-        with atomic_path(out_dir / FP32_NAME) as tmp:
-            model.save(str(tmp))
+        _save_fp32(model, user_model, out_dir / FP32_NAME)
     float_model = model
     fold_bn = config.fold_bn if config.fold_bn is not None else config.granularity == "per-tensor"
     # A resumed run restarts from checkpoint/stage_start.keras, folded already if it was.
@@ -373,8 +372,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
             run.history[index]["final"] = {"val_accuracy": val_acc, "test_accuracy": test_acc}
             log.info("stage %s: val %.4f test %.4f", stage.name, val_acc, test_acc)
             if stage.kind == "fp32":
-                with atomic_path(out_dir / FP32_NAME) as tmp:
-                    float_model.save(str(tmp))
+                _save_fp32(float_model, user_model, out_dir / FP32_NAME)
             else:
                 schemes.copy_float_weights(stage_model, float_model)
                 qat_model = stage_model
@@ -410,6 +408,12 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         "results": [asdict(r) for r in results],
         "resumed_from": [start_stage, start_epoch] if state is not None else None,
         "train_seconds": round(time.perf_counter() - started, 3),
+        # Which Keras wrote each file: QAT needs tf_keras; fp32.keras is in the Keras given.
+        "keras": {
+            "given": "keras3" if user_model is not None else "tf_keras",
+            FP32_NAME: "keras3" if user_model is not None else "tf_keras",
+            **({QAT_NAME: "tf_keras", QAT_FLOAT_NAME: "tf_keras"} if qat_path else {}),
+        },
         "artifacts": {
             FP32_NAME: sha256_file(out_dir / FP32_NAME),
             **({QAT_NAME: sha256_file(qat_path)} if qat_path else {}),
@@ -428,14 +432,3 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         stages=tuple(results),
         resumed_from=(start_stage, start_epoch) if state is not None else None,
     )
-
-
-def run_record_for(model_path: str | Path) -> dict | None:
-    """The run.json that sits beside a model trained by edgeq, if any."""
-    candidate = Path(model_path).parent / "run.json"
-    if candidate.is_file():
-        try:
-            return json.loads(candidate.read_text())
-        except ValueError:
-            return None
-    return None

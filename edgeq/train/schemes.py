@@ -13,25 +13,16 @@ from dataclasses import asdict, dataclass, field
 
 from edgeq.compat import keras, tfmot
 from edgeq.errors import UnsupportedLayerError, UsageError
+from edgeq.quantize_configs import CUSTOM_OBJECTS, OutputQuantizeConfig, WeightsOnlyQuantizeConfig
 from edgeq.train.layer_config import LayerPrecision
 
 _q = tfmot.quantization.keras
-from tensorflow_model_optimization.python.core.quantization.keras import quantizers as _quantizers  # noqa: E402
-from tensorflow_model_optimization.python.core.quantization.keras.default_8bit import (  # noqa: E402
-    default_8bit_quantize_layout_transform as _layout8,
-)
-from tensorflow_model_optimization.python.core.quantization.keras.default_8bit import (  # noqa: E402
-    default_8bit_quantize_registry as _registry8,
-)
-from tensorflow_model_optimization.python.core.quantization.keras.experimental.default_n_bit import (  # noqa: E402
-    default_n_bit_quantize_layout_transform as _layout_n,
-)
-from tensorflow_model_optimization.python.core.quantization.keras.experimental.default_n_bit import (  # noqa: E402
-    default_n_bit_quantize_registry as _registry_n,
-)
-from tensorflow_model_optimization.python.core.quantization.keras.quantize_wrapper import (  # noqa: E402
-    QuantizeWrapper,
-)
+# Public TF-MOT names only: the 8-bit and n-bit registries and layout transforms, the
+# quantizers and the wrapper are all exported by tfmot.quantization.keras.
+_8bit = _q.default_8bit
+_n_bit = _q.experimental.default_n_bit
+_quantizers = _q.quantizers
+QuantizeWrapper = _q.QuantizeWrapper
 
 GRANULARITIES = ("per-channel", "per-tensor")
 ACTIVATION_MODES = ("asymmetric", "symmetric")
@@ -81,9 +72,9 @@ class LayerwiseRegistry(_q.QuantizeRegistry):
         key = (weight_bits, activation_bits)
         if key not in self._cache:
             if key == (8, 8):
-                self._cache[key] = _registry8.Default8BitQuantizeRegistry(disable_per_axis=self._per_tensor)
+                self._cache[key] = _8bit.Default8BitQuantizeRegistry(disable_per_axis=self._per_tensor)
             else:
-                self._cache[key] = _registry_n.DefaultNBitQuantizeRegistry(
+                self._cache[key] = _n_bit.DefaultNBitQuantizeRegistry(
                     disable_per_axis=self._per_tensor, num_bits_weight=weight_bits, num_bits_activation=activation_bits
                 )
         return self._cache[key]
@@ -93,49 +84,40 @@ class LayerwiseRegistry(_q.QuantizeRegistry):
         return self._registry(p.weight_bits, p.activation_bits)
 
     def supports(self, layer) -> bool:
-        return self._for(layer).supports(layer)
+        return self._for(layer).supports(layer) or output_only(layer)
 
     def get_quantize_config(self, layer):
-        return self._for(layer).get_quantize_config(layer)
+        registry = self._for(layer)
+        if registry.supports(layer):
+            return registry.get_quantize_config(layer)
+        p = self.settings.precision_of(layer.name)
+        return OutputQuantizeConfig(p.activation_bits, symmetric=p.activation_bits == 16)
 
-
-class WeightsOnlyQuantizeConfig(_q.QuantizeConfig):
-    """Quantize a layer's weights as ``config`` does, but not its output.
-
-    For a Conv/Dense directly followed by a ReLU layer: the ReLU's output quantizer
-    covers both, and the converter fuses the two.
-    """
-
-    def __init__(self, config):
-        self.config = config
-
-    def get_weights_and_quantizers(self, layer):
-        return self.config.get_weights_and_quantizers(layer)
-
-    def set_quantize_weights(self, layer, quantize_weights):
-        self.config.set_quantize_weights(layer, quantize_weights)
-
-    def get_activations_and_quantizers(self, layer):
-        return []
-
-    def set_quantize_activations(self, layer, quantize_activations):
-        pass
-
-    def get_output_quantizers(self, layer):
-        return []
-
-    def get_config(self):
-        return {"config": keras.utils.serialize_keras_object(self.config)}
-
-    @classmethod
-    def from_config(cls, config):
-        with _q.quantize_scope():
-            return cls(keras.utils.deserialize_keras_object(config["config"]))
-
-
-CUSTOM_OBJECTS = {"WeightsOnlyQuantizeConfig": WeightsOnlyQuantizeConfig}
 
 _WEIGHTED = ("Conv2D", "DepthwiseConv2D", "Dense")
+
+# Layers TF-MOT has no config for, whose TFLite ops have int8 kernels and need only their
+# output range: edgeq quantizes their output (quantize_configs.OutputQuantizeConfig).
+_OUTPUT_ONLY = (
+    "TFOpLambda",
+    "Multiply",
+    "Rescaling",
+    "Normalization",
+    "Activation",
+    "Subtract",
+    "Minimum",
+    "Maximum",
+    "UpSampling2D",
+    "ZeroPadding2D",
+    "Cropping2D",
+)
+
+
+def output_only(layer) -> bool:
+    """Whether edgeq quantizes this layer's output itself (TF-MOT has no config for it)."""
+    kind = type(layer).__name__
+    trainable = [w for w in layer.weights if w.trainable]
+    return kind in _OUTPUT_ONLY and not trainable
 
 
 class _LayoutTransform:
@@ -172,9 +154,9 @@ class LayerwiseScheme(_q.QuantizeScheme):
 
     def get_layout_transformer(self):
         if self.settings.weight_bits == 8 and self.settings.activation_bits == 8:
-            inner = _layout8.Default8BitQuantizeLayoutTransform()
+            inner = _8bit.Default8BitQuantizeLayoutTransform()
         else:
-            inner = _layout_n.DefaultNBitQuantizeLayoutTransform(
+            inner = _n_bit.DefaultNBitQuantizeLayoutTransform(
                 num_bits_weight=self.settings.weight_bits, num_bits_activation=self.settings.activation_bits
             )
         return _LayoutTransform(inner, self.registry)

@@ -217,7 +217,7 @@ def test_interrupted_upload_leaves_no_file_and_next_push_completes(cli, fleet, t
 
     result = _run(cli, fleet, "push", big, "--to", "x86-venv")
     assert result.exit_code == 0, result.output
-    from edgeq.fleet.push import sha256_file
+    from edgeq.artifacts import sha256_file
 
     assert sha256_file(models / "big.bin") == sha256_file(big)
     assert not list(models.glob(".big.bin.part-*"))

@@ -131,7 +131,7 @@ def equalize(model, iterations: int = 4) -> list[EqualizedPair]:
 def equalized_copy(model):
     """Fold BN, then equalize, on a copy; the FP32 function is unchanged."""
     from edgeq.compat import keras
-    from edgeq.train.fold import fold_batchnorm
+    from edgeq.transforms.fold import fold_batchnorm
 
     folded = fold_batchnorm(model)
     if folded is model:

@@ -1,0 +1,129 @@
+"""What the commands show a person: tables, sizes, times, JSON files, device options and progress.
+
+Device-side commands (``profile``, ``inspect``) use it too: it imports click only.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def fmt(value, digits: int = 4) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf"
+        if math.isnan(value):
+            return "-"
+        return f"{value:.{digits}g}" if abs(value) < 1e5 else f"{value:.3e}"
+    return str(value)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence], numbers: bool = False) -> str:
+    """Aligned columns.
+
+    Default: every column left-aligned under a rule of dashes (results of host commands).
+    ``numbers=True``: the first column left-aligned, the rest right-aligned, no rule
+    (measurements, device lists).
+    """
+    cells = [[fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    if numbers:
+        lines = []
+        for row in [list(headers), *cells]:
+            aligned = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+            lines.append("  ".join(aligned).rstrip())
+        return "\n".join(lines)
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(out)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def ms(value: float) -> str:
+    if value < 1:
+        return f"{value:.4f}"
+    return f"{value:.3f}" if value < 100 else f"{value:.1f}"
+
+
+def pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.2f}%"
+
+
+def write_json_output(data: dict[str, Any], path: str | Path) -> None:
+    """A command's --json file, written atomically, and the line that says where."""
+    from edgeq.artifacts import write_json_atomic
+
+    write_json_atomic(path, data)
+    click.echo(f"wrote {path}")
+
+
+# Options and helpers of the commands that reach devices (devices, push, profile --on, verify).
+
+
+_INVENTORY_HELP = "devices.toml or Ansible YAML (default: $EDGEQ_INVENTORY, else ./devices.toml)."
+
+
+def inventory_option(f=None, help: str = _INVENTORY_HELP):
+    option = click.option("--inventory", "-i", "inventory_path", metavar="PATH", help=help)
+    return option(f) if f is not None else option
+
+
+def host_key_option(
+    f=None,
+    help: str = "Record the host key of a device seen for the first time (like ssh accept-new); "
+    "a changed key is still refused.",
+):
+    option = click.option("--accept-new-host-keys", is_flag=True, help=help)
+    return option(f) if f is not None else option
+
+
+def parallel_option(f):
+    return click.option(
+        "--parallel", "-j", default=4, show_default=True, type=click.IntRange(1, 64), help="Devices at once."
+    )(f)
+
+
+def select_devices(inventory_path: str | None, targets, accept_new: bool = False):
+    """Devices named by NAME / tag:X / all (several allowed), with the host-key policy applied."""
+    from edgeq.fleet.inventory import load_inventory, with_policy
+
+    inventory = load_inventory(inventory_path)
+    return with_policy(inventory.select(list(targets) or ["all"]), "accept-new" if accept_new else None)
+
+
+_echo_lock = threading.Lock()
+
+
+def progress_printer(enabled: bool = True):
+    """An on_event callback: one line per device event on stderr, with elapsed seconds."""
+    start = time.monotonic()
+
+    def on_event(device: str, message: str) -> None:
+        if enabled:
+            with _echo_lock:
+                click.echo(f"[{time.monotonic() - start:6.1f}s] {device}: {message}", err=True)
+
+    return on_event
+
+
+def failed_exit(outcomes) -> None:
+    failed = [o.device for o in outcomes if o.status != "ok"]
+    if failed:
+        click.echo(f"failed on {len(failed)} of {len(outcomes)} device(s): {', '.join(failed)}", err=True)
+        raise SystemExit(1)

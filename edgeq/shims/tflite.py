@@ -1,0 +1,59 @@
+"""TFLite converter internals (host side)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+
+from edgeq.compat import tf  # noqa: F401 - TensorFlow comes through compat, so the Keras flavour is set first
+
+
+def disable_per_channel(converter) -> None:
+    """Per-tensor weight quantization for post-training quantization.
+
+    ``TFLiteConverter`` has no public option for it; ``_experimental_disable_per_channel``
+    is the switch the converter itself reads.
+    """
+    converter._experimental_disable_per_channel = True  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def native_output_silenced():
+    """Silence what the converter writes to stdout for a moment: native code (fd 1) and Python.
+
+    The MLIR quantizer prints a line per call, and converting a Keras 3 model prints its
+    export signature ("Saved artifact at ..."); none of it is edgeq's to show.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def quantize_calibrated(calibrated: bytes, per_tensor: bool, denylisted_nodes: list[str] | None) -> bytes:
+    """Quantize an already calibrated flatbuffer, leaving ``denylisted_nodes`` in float.
+
+    ``tensorflow.lite.python.convert.mlir_quantize`` is private; it is what
+    ``tf.lite.experimental.QuantizationDebugger`` calls for its selective quantization,
+    and the only way to re-quantize one calibration with different float nodes without
+    calibrating again.
+    """
+    from tensorflow.lite.python import convert as _convert
+
+    with native_output_silenced():  # the quantizer prints a line per call on stdout
+        return _convert.mlir_quantize(
+            calibrated,
+            disable_per_channel=per_tensor,
+            fully_quantize=False,
+            denylisted_nodes=denylisted_nodes or None,
+        )

@@ -1,0 +1,19 @@
+"""INT4-valued weight copies of a float model: what a layer-wise INT4 plan would do to it."""
+
+from __future__ import annotations
+
+from edgeq.compat import keras
+from edgeq.numerics import QuantSpec, fake_quantize
+
+
+def int4_weight_copy(model, layers: list[str]):
+    """A copy of ``model`` whose ``layers`` carry per-channel INT4 weights (16 levels), for measuring."""
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    spec = QuantSpec(bits=4, symmetric=True, narrow_range=True, axis=-1)
+    for name in layers:
+        layer = clone.get_layer(name)
+        weights = layer.get_weights()
+        weights[0] = fake_quantize(weights[0], spec).astype(weights[0].dtype)
+        layer.set_weights(weights)
+    return clone
