@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 import click
@@ -86,6 +87,8 @@ def cli(ctx: click.Context, debug: bool, verbose: bool) -> None:
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if verbose:  # keep TensorFlow's own start-up log lines (edgeq.compat hides them otherwise)
+        os.environ["EDGEQ_VERBOSE"] = "1"
 
 
 def main() -> None:

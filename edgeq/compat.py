@@ -8,6 +8,7 @@ Every host-side module gets TensorFlow, Keras and TF-MOT from here; loading mode
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -16,10 +17,34 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from edgeq.errors import MissingExtraError  # noqa: E402
 
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """TensorFlow's C++ start-up lines (oneDNN, CUDA stubs, cuInit) ignore every log-level
+    variable; pointing fd 2 at /dev/null while TensorFlow starts is the only switch.
+    EDGEQ_VERBOSE=1 (edgeq -v) keeps them."""
+    if os.environ.get("EDGEQ_VERBOSE"):
+        yield
+        return
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 try:
-    import tensorflow as tf  # noqa: E402
-    import tensorflow_model_optimization as tfmot  # noqa: E402
-    import tf_keras as keras  # noqa: E402
+    with _stderr_silenced():
+        import tensorflow as tf  # noqa: E402
+        import tensorflow_model_optimization as tfmot  # noqa: E402
+        import tf_keras as keras  # noqa: E402
+
+        tf.config.list_physical_devices()  # device discovery (cuInit) logs too: do it now, quietly
+        tf.constant(0.0) + 1.0  # the first op starts the runtime (oneDNN's notice)
 except ImportError as exc:  # pragma: no cover - exercised only on a device install
     raise MissingExtraError(
         f'this command needs TensorFlow and TF-MOT ({exc.name} is not installed): pip install "edgeq[train]"'

@@ -22,6 +22,8 @@ from edgeq.artifacts import provenance, sha256_bytes, sha256_file, write_bytes_a
 from edgeq.data import DEFAULT_CALIBRATION_SAMPLES, Dataset, Normalization, load_dataset
 from edgeq.errors import ConversionError, DataError, IntegerOnlyError, UsageError
 from edgeq.metrics import compare_outputs
+from edgeq.numerics import ROUNDINGS
+from edgeq.ranges import ACTIVATION_METHODS, WEIGHT_METHODS
 from edgeq.runtime.interpreter import TFLiteModel
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,15 @@ INT4_GRANULARITIES = {
 }
 
 FLOAT_DTYPES = {"float32", "float16", "float64"}
+
+# --ptq: who chooses the ranges of integer post-training quantization. "converter" is the
+# TFLite converter's own min/max calibration; the others are edgeq's (edgeq.ptq), set into
+# fake-quant ops. "auto" tries these in order of cost and keeps the best on held-out data.
+# It stops at the first candidate whose SQNR reaches the target (the verification threshold
+# unless --ptq-target raises it), so a model the converter handles well costs one conversion.
+PTQ_AUTO = ("converter", "percentile", "mse", "entropy")
+PTQ_METHODS = ("auto", "converter", *ACTIVATION_METHODS)
+ROUNDING_METHODS = (*ROUNDINGS, "adaround")  # adaround: edgeq.transforms.adaround
 
 
 @dataclass(frozen=True)
@@ -267,6 +278,11 @@ class ConvertOptions:
     plan: str | None = None  # layer-wise plan (analyze plan): those layers stay float
     int4_granularity: str = "channel"
     bias_correct: bool = False
+    ptq: str = "auto"  # integer PTQ ranges: auto | converter | minmax | percentile | mse | entropy
+    weight_ranges: str = "minmax"  # edgeq's PTQ weight ranges per channel: minmax | mse
+    rounding: str = "nearest"  # edgeq's PTQ weight rounding: nearest | stochastic | adaround
+    seed: int = 0  # stochastic rounding's and AdaRound's seed (recorded in the manifest)
+    ptq_target_db: float | None = None  # --ptq auto stops at the first candidate this good; None: min_sqnr_db
 
     def __post_init__(self):
         try:
@@ -288,6 +304,19 @@ class ConvertOptions:
             raise UsageError(f"--granularity must be per-channel or per-tensor, got {self.granularity!r}")
         if self.bias_correct and not spec.calibrate:
             raise UsageError("--bias-correct corrects integer PTQ: use it with --int8, --int8-only or --int16x8")
+        if self.ptq not in PTQ_METHODS:
+            raise UsageError(f"--ptq must be one of {', '.join(PTQ_METHODS)}, got {self.ptq!r}")
+        if self.weight_ranges not in WEIGHT_METHODS:
+            raise UsageError(f"--weight-ranges must be one of {', '.join(WEIGHT_METHODS)}, got {self.weight_ranges!r}")
+        if self.rounding not in ROUNDING_METHODS:
+            raise UsageError(f"--rounding must be one of {', '.join(ROUNDING_METHODS)}, got {self.rounding!r}")
+        if self.rounding != "nearest" and (
+            not spec.calibrate or spec.mode == Mode.INT16X8 or self.ptq == "converter" or self.plan
+        ):
+            raise UsageError(
+                f"--rounding {self.rounding} rounds the weights of edgeq's integer PTQ: use it with --int8 or "
+                "--int8-only and --ptq auto|minmax|percentile|mse|entropy (not converter, --plan or --int16x8)"
+            )
         if self.plan and spec.mode != Mode.INT8:
             raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
 
@@ -303,7 +332,6 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     for float ops in an integer-only model) and leaves nothing on disk when it fails.
     """
     from edgeq.model_io import as_tf_keras
-    from edgeq.shims.tflite import native_output_silenced
     from edgeq.train.schemes import is_qat_model
 
     options = options or ConvertOptions()
@@ -323,18 +351,6 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         )
     if equalize or plan or bias_correct:  # graph transforms work on tf_keras: a Keras 3 model is translated
         keras_model = as_tf_keras(keras_model)
-    if equalize:
-        from edgeq.transforms.equalize import equalized_copy
-
-        keras_model, pairs = equalized_copy(keras_model)
-        if pairs:
-            worst = max(pairs, key=lambda p: p.range_spread_before)
-            notes.append(
-                f"equalized {len(pairs)} layer pair(s); largest channel-range spread {worst.first}: "
-                f"{worst.range_spread_before:.1f}x -> {worst.range_spread_after:.1f}x"
-            )
-        else:
-            notes.append("--equalize found no layer pairs to equalize (needs Conv/Dense -> ReLU/pool -> Conv/Dense)")
     input_shape = tuple(keras_model.input_shape[1:])
     if any(d is None for d in input_shape):
         raise ConversionError(f"{source_name}: input shape {input_shape} is not static: give the Input a fixed shape")
@@ -343,6 +359,19 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         raise UsageError(f"{out}: the output must end in .tflite")
 
     dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
+    if equalize:
+        from edgeq.transforms.equalize import equalized_copy
+
+        x_equalize = dataset.calibration_samples(calib_samples) if dataset is not None else None
+        keras_model, pairs = equalized_copy(keras_model, x_equalize)
+        if pairs:
+            worst = max(pairs, key=lambda p: p.range_spread_before)
+            notes.append(
+                f"equalized {len(pairs)} layer pair(s); largest channel-range spread {worst.first}: "
+                f"{worst.range_spread_before:.1f}x -> {worst.range_spread_after:.1f}x"
+            )
+        else:
+            notes.append("--equalize found no layer pairs (needs Conv/Dense -> ReLU/ReLU6/pool -> Conv/Dense)")
     if bias_correct and dataset is not None:
         from edgeq.transforms.bias_correction import correct_biases
         from edgeq.transforms.fold import fold_batchnorm
@@ -376,17 +405,21 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         raise DataError(f"calibration data {data_spec!r} is empty")
 
     started = time.perf_counter()
+    ptq_record = None
     try:
         if plan:
             flatbuffer = _convert_with_plan(keras_model, plan, dataset, calib_samples, granularity, notes)
         elif spec.backend == "aeq":
             flatbuffer = _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
+        elif spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter":
+            flatbuffer, ptq_record = _convert_searching_ranges(keras_model, reference_model, spec, dataset, options)
+            notes.append(ptq_record.pop("note"))
         else:
-            converter = _converter(
-                keras_model, spec, dataset, calib_samples, granularity, io_type, is_qat, options.edgetpu
-            )
-            with native_output_silenced():
-                flatbuffer = converter.convert()
+            flatbuffer, fused = _convert_tflite(keras_model, spec, dataset, options, is_qat)
+            if fused:
+                notes.append(
+                    f"fused {fused} DEQUANTIZE->QUANTIZE pair(s) the converter left into integer requantize ops"
+                )
     except (UsageError, DataError):
         raise
     except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
@@ -424,8 +457,10 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             "io_type": io_type if spec.integer_io else "float32",
             "calib": data_spec,
             "calib_samples": calib_samples if spec.calibrate else 0,
+            "ptq": options.ptq if spec.calibrate and not is_qat else None,
         },
         "calibration_data_sha256": dataset.fingerprint() if dataset is not None else None,
+        "ptq": ptq_record,
         "ops": op_counts,
         "verification": asdict(verification),
         "convert_seconds": round(seconds, 3),
@@ -453,6 +488,107 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         notes=tuple(notes),
         edgetpu=manifest.get("edgetpu"),
     )
+
+
+def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, is_qat) -> tuple[bytes, int]:
+    """One TFLiteConverter run; integer-only results get their requantize pairs fused."""
+    from edgeq.shims.tflite import native_output_silenced
+    from edgeq.tflite_passes import fuse_requantize
+
+    granularity = "per-channel" if is_qat else options.granularity
+    converter = _converter(
+        keras_model, spec, dataset, options.calib_samples, granularity, options.io_type, is_qat, options.edgetpu
+    )
+    with native_output_silenced():
+        flatbuffer = converter.convert()
+    return fuse_requantize(flatbuffer) if spec.integer_only else (flatbuffer, 0)
+
+
+def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, dataset, options: ConvertOptions):
+    """Integer PTQ by each --ptq candidate; the best by SQNR against FP32 on held-out samples.
+
+    Returns the flatbuffer and the manifest's record of every candidate (and a note).
+    """
+    from edgeq.model_io import as_tf_keras
+    from edgeq.ptq import RangeCalibration
+
+    methods = PTQ_AUTO if options.ptq == "auto" else (options.ptq,)
+    target = options.ptq_target_db
+    if target is None:
+        target = spec.min_sqnr_db if options.min_sqnr_db is None else float(options.min_sqnr_db)
+    rounding = options.rounding
+    if rounding != "nearest":  # the converter rounds to nearest: only edgeq's candidates round otherwise
+        methods = tuple(m for m in methods if m != "converter")
+    x_check, split = dataset.verification_samples(200)
+    reference = reference_model.predict(x_check, batch_size=64, verbose=0)
+    x_calibration = dataset.calibration_samples(options.calib_samples)
+    per_tensor = options.granularity == "per-tensor"
+    candidates, best, calibration = [], None, None
+    for method in methods:
+        start = time.perf_counter()
+        try:
+            if method == "converter":
+                flatbuffer, _ = _convert_tflite(keras_model, spec, dataset, options, False)
+            else:
+                if calibration is None:
+                    calibration = RangeCalibration(
+                        as_tf_keras(keras_model), x_calibration, per_tensor, fold=rounding != "nearest"
+                    )
+                qat, _ = calibration.model(method, options.weight_ranges, rounding, options.seed)
+                flatbuffer, _ = _convert_tflite(qat, spec, dataset, options, True)
+            got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict(x_check, batch_size=1)
+            cmp = compare_outputs(reference, got)
+        except (UsageError, DataError):
+            raise
+        except Exception as exc:  # one candidate failing must not hide the others
+            if len(methods) == 1:
+                raise
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            candidates.append({"method": method, "error": first, "seconds": round(time.perf_counter() - start, 3)})
+            continue
+        candidates.append(
+            {
+                "method": method,
+                "sqnr_db": round(cmp.sqnr_db, 3),
+                "agreement": round(cmp.agreement, 6),
+                "seconds": round(time.perf_counter() - start, 3),
+            }
+        )
+        if best is None or cmp.sqnr_db > best[1]:
+            best = (method, cmp.sqnr_db, flatbuffer)
+        if cmp.sqnr_db >= target:  # good enough: the costlier candidates are not tried
+            break
+    if best is None:
+        raise ConversionError(
+            f"every --ptq candidate failed: {'; '.join(c['method'] + ': ' + c['error'] for c in candidates)}"
+        )
+    tried = ", ".join(
+        f"{c['method']} {c['sqnr_db']:.1f} dB" if "sqnr_db" in c else f"{c['method']} failed" for c in candidates
+    )
+    note = (
+        f"--ptq {options.ptq}: {best[0]} ranges chosen by SQNR vs FP32 on {len(x_check)} {split} samples ({tried}"
+        f"{'; stopped at the target ' + format(target, '.1f') + ' dB' if len(candidates) < len(methods) else ''})"
+    )
+    rounding_record = {"method": "nearest", "seed": None, "layers": []}
+    if rounding != "nearest" and calibration is not None:
+        rounding_record = calibration.rounding
+        layers = rounding_record["layers"]
+        note += f"; weights rounded by {rounding} (seed {options.seed}) in {len(layers)} layers"
+        if rounding == "adaround" and layers:
+            before = float(np.mean([la["output_mse_nearest"] for la in layers]))
+            after = float(np.mean([la["output_mse"] for la in layers]))
+            note += f", mean layer output MSE {before:.3g} -> {after:.3g} vs nearest"
+    record = {
+        "requested": options.ptq,
+        "chosen": best[0],
+        "target_db": target,
+        "weight_ranges": options.weight_ranges,
+        "rounding": rounding_record,
+        "checked_on": f"{len(x_check)} {split} samples",
+        "candidates": candidates,
+        "note": note,
+    }
+    return best[2], record
 
 
 def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str]):
@@ -599,8 +735,8 @@ def _verify(tflite, keras_model, spec, dataset, data_spec, samples, io_type, sou
             f"{' ...' if len(floats) > 12 else ''}; replace those ops or convert with --int8 (float fallback)"
         )
     if dataset is not None:
-        x = dataset.calibration_samples(min(samples, 200) if samples else 200, seed=1)
-        source = "calibration samples of " + str(data_spec)
+        x, split = dataset.verification_samples(200)
+        source = f"{split} samples of {data_spec} (calibration uses train)"
     else:
         rng = np.random.default_rng(0)
         x = rng.uniform(0.0, 1.0, size=(32,) + tuple(tflite.input.shape[1:])).astype(np.float32)

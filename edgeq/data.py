@@ -69,6 +69,14 @@ class Dataset:
         idx = rng.choice(len(self.x_train), size=min(n, len(self.x_train)), replace=False)
         return self.x_train[np.sort(idx)]
 
+    def verification_samples(self, n: int = 200) -> tuple[np.ndarray, str]:
+        """Up to N samples disjoint from calibration (which draws from train): val, else test."""
+        for name in ("val", "test"):
+            x = getattr(self, f"x_{name}")
+            if len(x):
+                return x[:n], name
+        return self.calibration_samples(n, seed=1), "train"
+
     def representative_dataset(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> Callable[[], Iterator]:
         """A TFLiteConverter.representative_dataset: one sample per step, from train."""
         samples = self.calibration_samples(n, seed)

@@ -73,7 +73,8 @@ def compute_params(x: np.ndarray, spec: QuantSpec) -> QuantParams:
     return QuantParams(scale=scale, zero_point=zero_point, spec=spec)
 
 
-def _round(v: np.ndarray, rounding: str, rng: np.random.Generator | None) -> np.ndarray:
+def round_codes(v: np.ndarray, rounding: str, rng: np.random.Generator | None) -> np.ndarray:
+    """v rounded to integers: nearest, or stochastic (up with probability of the fraction: unbiased)."""
     if rounding == "nearest":
         return np.round(v)
     if rng is None:
@@ -86,7 +87,7 @@ def quantize(x: np.ndarray, params: QuantParams, rng: np.random.Generator | None
     """Float -> integer codes (int8 storage; values within [qmin, qmax] of ``params.spec``)."""
     spec = params.spec
     v = np.asarray(x, dtype=np.float64) / params.scale + params.zero_point
-    q = _round(v, spec.rounding, rng)
+    q = round_codes(v, spec.rounding, rng)
     return np.clip(q, spec.qmin, spec.qmax).astype(np.int8)
 
 
@@ -99,6 +100,18 @@ def fake_quantize(x: np.ndarray, spec: QuantSpec, seed: int | None = 0) -> np.nd
     params = compute_params(x, spec)
     rng = np.random.default_rng(seed) if spec.rounding == "stochastic" else None
     return dequantize(quantize(x, params, rng), params)
+
+
+def weight_codes(kernel: np.ndarray, scale: np.ndarray, rounding: str = "nearest", seed: int = 0) -> np.ndarray:
+    """Codes (float64) of a symmetric int8 kernel at per-channel ``scale``, narrow range [-127, 127]."""
+    rng = np.random.default_rng(seed) if rounding == "stochastic" else None
+    scaled = np.asarray(kernel, np.float64) / np.asarray(scale, np.float64)
+    return np.clip(round_codes(scaled, rounding, rng), -127, 127)
+
+
+def weight_error(kernel: np.ndarray, scale: np.ndarray, q: np.ndarray) -> float:
+    """Mean squared error of the weights that codes ``q`` at ``scale`` stand for."""
+    return float(np.mean((np.asarray(kernel, np.float64) - q * np.asarray(scale, np.float64)) ** 2))
 
 
 def sqnr_db(reference: np.ndarray, approx: np.ndarray) -> float:

@@ -83,7 +83,20 @@ class OutputQuantizeConfig(_q.QuantizeConfig):
         return {"num_bits": self.num_bits, "symmetric": self.symmetric}
 
 
+class SameScaleQuantizeConfig(OutputQuantizeConfig):
+    """No quantizer at all: the output keeps the input's scale.
+
+    TFLite's AVERAGE_POOL_2D (and MAX_POOL_2D) require the same scale on input and
+    output; a fake-quant of their own learns a range a hair apart from the input's, and
+    the converter then refuses the graph ("violate the same scale constraint").
+    """
+
+    def get_output_quantizers(self, layer):
+        return []
+
+
 CUSTOM_OBJECTS = {
+    "SameScaleQuantizeConfig": SameScaleQuantizeConfig,
     "WeightsOnlyQuantizeConfig": WeightsOnlyQuantizeConfig,
     "OutputQuantizeConfig": OutputQuantizeConfig,
 }

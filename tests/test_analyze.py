@@ -159,8 +159,18 @@ def test_equalize_alone_recovers_most_of_it_fully_integer(cli, outlier_model, tm
     assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a))  # exact in FP32
     assert pairs[0].first == "conv1" and pairs[0].range_spread_before > 100 > 2 > pairs[0].range_spread_after
     out = tmp_path / "eq.tflite"
-    plain = cli("convert", outlier_model, "--int8-only", "--calib", "digits", "--out", tmp_path / "plain.tflite")
-    assert_one_line_error(plain, "verification failed")  # without equalization INT8 is useless and refused
+    plain = cli(
+        "convert",
+        outlier_model,
+        "--int8-only",
+        "--calib",
+        "digits",
+        "--ptq",
+        "converter",
+        "--out",
+        tmp_path / "p.tflite",
+    )
+    assert_one_line_error(plain, "verification failed")  # the converter's ranges alone: useless, refused
     result = cli("convert", outlier_model, "--int8-only", "--equalize", "--calib", "digits", "--out", out)
     assert result.exit_code == 0, result.output
     ev = evaluate(out, outlier_model, "digits")

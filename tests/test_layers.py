@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "edgeq"
 # Bottom to top. A module belongs to the first entry that is its name or a package above it.
 LAYERS: list[tuple[str, ...]] = [
     ("edgeq.errors",),
-    ("edgeq.numerics",),
+    ("edgeq.numerics", "edgeq.ranges"),
     ("edgeq.metrics",),
     ("edgeq.shims.litert",),
     ("edgeq.artifacts",),
@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.zoo",),
     ("edgeq.transforms",),
     ("edgeq.train",),
-    ("edgeq.calibration",),
+    ("edgeq.calibration", "edgeq.tflite_passes", "edgeq.ptq"),
     ("edgeq.evaluate",),
     ("edgeq.convert",),
     ("edgeq.analyze",),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import platform
 import sys
@@ -19,7 +20,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
 MARK = "<!-- section: {} -->"
-SECTIONS = ("host", "precision", "analyze", "device")
+SECTIONS = ("host", "keras", "ptq", "precision", "analyze", "device")
 
 
 def _cpu() -> str:
@@ -50,22 +51,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     sections = _sections(out.read_text()) if out.exists() else {}
-    if args.only in (None, "host"):
-        import bench_host
-
-        sections["host"] = bench_host.run()
-    if args.only in (None, "precision"):
-        import bench_precision
-
-        sections["precision"] = bench_precision.run()
-    if args.only in (None, "analyze"):
-        import bench_analyze
-
-        sections["analyze"] = bench_analyze.run()
-    if args.only in (None, "device"):
-        import bench_device
-
-        sections["device"] = bench_device.run()
+    for name in SECTIONS:  # each section is tools/bench_<name>.py's run()
+        if args.only in (None, name):
+            sections[name] = importlib.import_module(f"bench_{name}").run()
     header = (
         "# Benchmarks\n\n"
         "Written by `python tools/bench.py` (`make bench`); numbers are from the last run on the machine "

@@ -54,6 +54,35 @@ def _mode_options(func):
     show_default=True,
     help="Weight granularity for --int4-weights/--int4-dynamic: per channel or blockwise.",
 )
+@click.option(
+    "--ptq",
+    type=click.Choice(["auto", "converter", "minmax", "percentile", "mse", "entropy"]),
+    default="auto",
+    show_default=True,
+    help="Integer PTQ ranges: the converter's min/max, or edgeq's (auto: each, best SQNR on held-out data).",
+)
+@click.option(
+    "--weight-ranges",
+    type=click.Choice(["minmax", "mse"]),
+    default="minmax",
+    show_default=True,
+    help="Per-channel weight ranges of edgeq's PTQ.",
+)
+@click.option(
+    "--rounding",
+    type=click.Choice(["nearest", "stochastic", "adaround"]),
+    default="nearest",
+    show_default=True,
+    help="Weight rounding of edgeq's PTQ: nearest, stochastic (seeded) or AdaRound (learned per layer).",
+)
+@click.option(
+    "--ptq-target",
+    type=float,
+    metavar="DB",
+    help="--ptq auto stops at the first candidate with this SQNR (default: the verification threshold); "
+    "a high value tries every candidate and keeps the best.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of stochastic rounding and AdaRound.")
 @click.option("--equalize", is_flag=True, help="Cross-layer equalization before PTQ (BN folded first).")
 @click.option("--bias-correct", is_flag=True, help="Shift biases by the expected weight-quantization error (PTQ).")
 @click.option("--plan", type=click.Path(), help="Layer-wise plan from `edgeq analyze plan`: those layers stay float.")
@@ -76,6 +105,11 @@ def convert(
     plan,
     edgetpu,
     json_out,
+    ptq,
+    weight_ranges,
+    rounding,
+    ptq_target,
+    seed,
 ):
     """Convert MODEL (.keras/.h5/SavedModel; a QAT model needs no calibration) to TFLite,
     then load it in LiteRT and verify it against MODEL before writing it."""
@@ -97,6 +131,11 @@ def convert(
         plan=plan,
         int4_granularity=int4_granularity,
         bias_correct=bias_correct,
+        ptq=ptq,
+        weight_ranges=weight_ranges,
+        rounding=rounding,
+        seed=seed,
+        ptq_target_db=ptq_target,
     )
     result = run_convert(model, out, options)
     if json_out:

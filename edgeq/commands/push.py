@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import (
-    failed_exit,
-    host_key_option,
-    inventory_option,
-    parallel_option,
-    progress_printer,
-    select_devices,
-    table,
-)
+from edgeq.commands import ui
 
 
 @click.command("push")
 @click.argument("files", nargs=-1, required=True, metavar="MODEL...")
 @click.option("--to", "targets", multiple=True, required=True, help="NAME, tag:X or all (repeat or comma-separate).")
-@inventory_option
-@host_key_option
-@parallel_option
+@ui.inventory_option
+@ui.host_key_option
+@ui.parallel_option
 @click.option("--wheel", metavar="WHEEL", help="edgeq wheel to install (default: built from this checkout).")
 @click.option(
     "--wheels", "wheels_dir", metavar="DIR", help="Dependency wheels for offline devices (default: pip download)."
@@ -29,12 +21,12 @@ def push(files, targets, inventory_path, accept_new_host_keys, parallel, wheel, 
     """Upload MODEL... (any files) to each device's work directory, checked by sha256."""
     from edgeq.fleet.remote import for_each_device, push_to
 
-    chosen = select_devices(inventory_path, targets, accept_new_host_keys)
+    chosen = ui.select_devices(inventory_path, targets, accept_new_host_keys)
     outcomes = for_each_device(
         chosen,
         lambda device, on_event: push_to(device, files, on_event, wheel=wheel, wheels_dir=wheels_dir),
         parallel=parallel,
-        on_event=progress_printer(),
+        on_event=ui.progress_printer(),
     )
     rows = []
     for o in outcomes:
@@ -46,5 +38,5 @@ def push(files, targets, inventory_path, accept_new_host_keys, parallel, wheel, 
         rt = o.result.runtime
         rows.append([o.device, "ok", str(up), str(same), f"{rt.mode}, {rt.installed}", f"{o.seconds:.1f}", ""])
     headers = ["device", "status", "uploaded", "unchanged", "edgeq runtime", "seconds", "error"]
-    click.echo(table(headers, rows, numbers=True))
-    failed_exit(outcomes)
+    click.echo(ui.table(headers, rows, numbers=True))
+    ui.failed_exit(outcomes)

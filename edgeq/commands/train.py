@@ -87,6 +87,8 @@ def train(model, out_dir, resume, force, model_options, activation_bits, **optio
         for s in result.stages
     ]
     click.echo(table(["stage", "kind", "epochs", "precision", "val acc", "test acc", "seconds"], rows))
+    if result.float_layers:
+        click.echo(f"left float in QAT: {', '.join(result.float_layers)}")
     click.echo(f"FP32 model: {result.fp32_model}")
     if result.qat_model:
         click.echo(f"QAT model:  {result.qat_model}  (next: edgeq convert {result.qat_model} --int8-only)")

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import (
-    failed_exit,
-    host_key_option,
-    inventory_option,
-    parallel_option,
-    progress_printer,
-    select_devices,
-    table,
-)
+from edgeq.commands import ui
 
 
 @click.command("verify")
@@ -28,21 +20,21 @@ from edgeq.commands.ui import (
     "1e-5 for float outputs, whose last bits may differ between CPUs).",
 )
 @click.option("--delegate", default="xnnpack", show_default=True, help="xnnpack | none (same on both sides).")
-@inventory_option
-@host_key_option
-@parallel_option
+@ui.inventory_option
+@ui.host_key_option
+@ui.parallel_option
 def verify(model, targets, data, inputs, limit, tolerance, delegate, inventory_path, accept_new_host_keys, parallel):
     """Run the same inputs on each device and on this host's interpreter; report agreement."""
     from edgeq.fleet.remote import for_each_device, verify_on
 
-    chosen = select_devices(inventory_path, targets, accept_new_host_keys)
+    chosen = ui.select_devices(inventory_path, targets, accept_new_host_keys)
     outcomes = for_each_device(
         chosen,
         lambda device, on_event: verify_on(
             device, model, data, inputs=inputs, limit=limit or None, delegate=delegate, on_event=on_event
         ),
         parallel=parallel,
-        on_event=progress_printer(),
+        on_event=ui.progress_printer(),
     )
     rows, mismatched = [], []
     for o in outcomes:
@@ -68,8 +60,8 @@ def verify(model, targets, data, inputs, limit, tolerance, delegate, inventory_p
             ]
         )
     headers = ["device", "status", "arch", "device runtime", "samples", "outputs vs host", "top-1 agree", "error"]
-    click.echo(table(headers, rows, numbers=True))
-    failed_exit(outcomes)
+    click.echo(ui.table(headers, rows, numbers=True))
+    ui.failed_exit(outcomes)
     if mismatched:
         from edgeq.errors import VerificationMismatch
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import sys
+import warnings
 
 from edgeq.compat import tf  # noqa: F401 - TensorFlow comes through compat, so the Keras flavour is set first
 
@@ -21,22 +22,30 @@ def disable_per_channel(converter) -> None:
 
 @contextlib.contextmanager
 def native_output_silenced():
-    """Silence what the converter writes to stdout for a moment: native code (fd 1) and Python.
+    """Silence what the converter prints for a moment: native code (fds 1 and 2), Python, warnings.
 
-    The MLIR quantizer prints a line per call, and converting a Keras 3 model prints its
-    export signature ("Saved artifact at ..."); none of it is edgeq's to show.
+    The MLIR quantizer prints a line per call, the converter its settings and a
+    "Statistics for quantized inputs" warning, and converting a Keras 3 model its export
+    signature ("Saved artifact at ..."); none of it is edgeq's to show, and what goes wrong
+    arrives as an exception. EDGEQ_VERBOSE=1 (edgeq -v) keeps stderr.
     """
+    fds = (1,) if os.environ.get("EDGEQ_VERBOSE") else (1, 2)
     sys.stdout.flush()
-    saved = os.dup(1)
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in fds}
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, 1)
-        with contextlib.redirect_stdout(io.StringIO()):
+        for fd in fds:
+            os.dup2(devnull, fd)
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             yield
     finally:
         sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+        sys.stderr.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
         os.close(devnull)
 
 

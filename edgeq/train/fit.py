@@ -91,6 +91,7 @@ class TrainResult:
     run: Path
     stages: tuple[StageResult, ...]
     resumed_from: tuple[int, int] | None = None  # (stage index, epochs done) when resumed
+    float_layers: tuple[str, ...] = ()  # layers the QAT model leaves in float
 
 
 def _output_is_probability(model) -> bool:
@@ -399,7 +400,11 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         "config": config.to_dict(),
         "recipe": recipe.name if recipe else None,
         "hyperparameters": hp,
-        "quantization": {**settings.to_dict(), "batchnorm_folded_before_qat": bool(fold_bn)},
+        "quantization": {
+            **settings.to_dict(),
+            "batchnorm_folded_before_qat": bool(fold_bn),
+            "float_layers": schemes.float_layers(qat_model) if qat_model is not None else [],
+        },
         "schedule": [s.to_dict() for s in stages],
         "data": dataset.describe(),
         "normalization": dataset.normalization.to_dict(),
@@ -431,4 +436,5 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         run=out_dir / "run.json",
         stages=tuple(results),
         resumed_from=(start_stage, start_epoch) if state is not None else None,
+        float_layers=tuple(record["quantization"]["float_layers"]),
     )

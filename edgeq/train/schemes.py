@@ -13,8 +13,14 @@ from dataclasses import asdict, dataclass, field
 
 from edgeq.compat import keras, tfmot
 from edgeq.errors import UnsupportedLayerError, UsageError
-from edgeq.quantize_configs import CUSTOM_OBJECTS, OutputQuantizeConfig, WeightsOnlyQuantizeConfig
+from edgeq.quantize_configs import (
+    CUSTOM_OBJECTS,
+    OutputQuantizeConfig,
+    SameScaleQuantizeConfig,
+    WeightsOnlyQuantizeConfig,
+)
 from edgeq.train.layer_config import LayerPrecision
+from edgeq.transforms.tfops import replace_tf_ops
 
 _q = tfmot.quantization.keras
 # Public TF-MOT names only: the 8-bit and n-bit registries and layout transforms, the
@@ -63,8 +69,9 @@ class QuantSettings:
 class LayerwiseRegistry(_q.QuantizeRegistry):
     """Delegates each layer to a TF-MOT registry built for that layer's bits."""
 
-    def __init__(self, settings: QuantSettings):
+    def __init__(self, settings: QuantSettings, annotated: frozenset[str] = frozenset()):
         self.settings = settings
+        self.annotated = annotated  # edgeq's own output-only configs apply to these layers only
         self._per_tensor = settings.granularity == "per-tensor"
         self._cache: dict[tuple[int, int], _q.QuantizeRegistry] = {}
 
@@ -84,9 +91,11 @@ class LayerwiseRegistry(_q.QuantizeRegistry):
         return self._registry(p.weight_bits, p.activation_bits)
 
     def supports(self, layer) -> bool:
-        return self._for(layer).supports(layer) or output_only(layer)
+        return self._for(layer).supports(layer) or (layer.name in self.annotated and output_only(layer))
 
     def get_quantize_config(self, layer):
+        if type(layer).__name__ in _SAME_SCALE:
+            return SameScaleQuantizeConfig()
         registry = self._for(layer)
         if registry.supports(layer):
             return registry.get_quantize_config(layer)
@@ -110,14 +119,21 @@ _OUTPUT_ONLY = (
     "UpSampling2D",
     "ZeroPadding2D",
     "Cropping2D",
+    "BatchNormalization",  # only where no conv/dense precedes it to fold into (DenseNet, NASNet)
 )
+
+
+# Ops whose TFLite kernels need the output scale equal to the input's.
+_SAME_SCALE = ("AveragePooling2D", "AveragePooling1D")
 
 
 def output_only(layer) -> bool:
     """Whether edgeq quantizes this layer's output itself (TF-MOT has no config for it)."""
     kind = type(layer).__name__
     trainable = [w for w in layer.weights if w.trainable]
-    return kind in _OUTPUT_ONLY and not trainable
+    # A standalone BN is a per-channel affine map (MUL + ADD with int8 kernels); its gamma and
+    # beta train in float and become the converter's constants.
+    return kind in _OUTPUT_ONLY and (not trainable or kind == "BatchNormalization")
 
 
 class _LayoutTransform:
@@ -148,9 +164,9 @@ class _LayoutTransform:
 
 
 class LayerwiseScheme(_q.QuantizeScheme):
-    def __init__(self, settings: QuantSettings):
+    def __init__(self, settings: QuantSettings, annotated: frozenset[str] = frozenset()):
         self.settings = settings
-        self.registry = LayerwiseRegistry(settings)
+        self.registry = LayerwiseRegistry(settings, annotated)
 
     def get_layout_transformer(self):
         if self.settings.weight_bits == 8 and self.settings.activation_bits == 8:
@@ -224,6 +240,38 @@ def layers_to_quantize(model, settings: QuantSettings, only_layers: set[str] | N
     return chosen
 
 
+def _check_layers(model, settings: QuantSettings) -> None:
+    """Layers no QAT can take, all named in one error: Python functions, custom classes, TF ops left."""
+    keep_float = {name for name, p in settings.layers.items() if p.keep_float}
+    problems = []
+    for layer in model.layers:
+        kind = type(layer).__name__
+        if layer.name in keep_float:
+            continue
+        if kind == "Lambda":
+            problems.append(f"{layer.name!r} (Lambda: a Python function TF-MOT cannot clone)")
+        elif kind == "TFOpLambda":
+            problems.append(f"{layer.name!r} (TF op {getattr(layer, 'symbol', '?')})")
+        elif not type(layer).__module__.startswith(("tf_keras.", "keras.", "tensorflow_model_optimization.")):
+            problems.append(f"{layer.name!r} ({kind}: a custom layer)")
+    if problems:
+        raise UnsupportedLayerError(
+            f"model {model.name!r} cannot be QAT-trained: {'; '.join(problems)}: rebuild those with built-in "
+            "layers, keep them float with --layer-config, or quantize without training (edgeq convert --int8-only)"
+        )
+
+
+def float_layers(qat_model) -> list[str]:
+    """Layers of a QAT model that run in float: neither wrapped nor pass-through."""
+    return [
+        layer.name
+        for layer in qat_model.layers
+        if not isinstance(layer, QuantizeWrapper)
+        and type(layer).__name__ not in (*_PASS_THROUGH, "QuantizeLayer")
+        and not isinstance(layer, keras.layers.InputLayer)
+    ]
+
+
 def build_qat_model(model, settings: QuantSettings, only_layers: set[str] | None = None):
     """Return the fake-quantized twin of ``model`` (weights copied; ``model`` untouched).
 
@@ -233,6 +281,8 @@ def build_qat_model(model, settings: QuantSettings, only_layers: set[str] | None
         only_layers: quantize just these layers (stepped schedules); None means all.
     """
     _check_model_kind(model)
+    model, _ = replace_tf_ops(model)
+    _check_layers(model, settings)
     to_quantize = layers_to_quantize(model, settings, only_layers)
 
     def annotate(layer):
@@ -246,7 +296,7 @@ def build_qat_model(model, settings: QuantSettings, only_layers: set[str] | None
     annotated.set_weights(model.get_weights())
     try:
         with _q.quantize_scope(CUSTOM_OBJECTS):
-            qat = _q.quantize_apply(annotated, scheme=LayerwiseScheme(settings))
+            qat = _q.quantize_apply(annotated, scheme=LayerwiseScheme(settings, frozenset(to_quantize)))
     except RuntimeError as exc:
         match = _UNSUPPORTED.search(str(exc))
         if not match:

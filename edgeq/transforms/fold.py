@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.compat import keras, tf
+from edgeq.compat import keras
+from edgeq.transforms.graph import copy_weights, rebuild
 
 _FOLDABLE = ("Conv2D", "DepthwiseConv2D", "Dense", "Conv1D")
 
@@ -76,41 +77,22 @@ def fold_batchnorm(model):
     producers = set(pairs.values())
     by_name = {layer.name: layer for layer in model.layers}
     folded_bn_of = {producer: bn for bn, producer in pairs.items()}
-    mapped: dict[int, object] = {}
-    new_inputs = []
-    for tensor in model.inputs:
-        fresh = keras.Input(shape=tensor.shape[1:], dtype=tensor.dtype, name=tensor.name.split(":")[0])
-        mapped[id(tensor)] = fresh
-        new_inputs.append(fresh)
 
-    def lookup(t):
-        return mapped.get(id(t), t)
-
-    new_layers = {}
-    for layer in model.layers:
-        if type(layer).__name__ == "InputLayer":
-            continue
-        node = _inbound(layer)
+    def rewrite(layer, node, args, kwargs):
         if layer.name in pairs:  # BN: its output is the folded producer's output
-            mapped[id(node.outputs if not isinstance(node.outputs, list) else node.outputs[0])] = lookup(
-                node.keras_inputs[0]
-            )
-            continue
-        config = layer.get_config()
+            return args[0]
         if layer.name in producers:
-            config["use_bias"] = True
-        clone = layer.__class__.from_config(config)
-        args = tf.nest.map_structure(lookup, node.call_args)
-        kwargs = tf.nest.map_structure(lookup, node.call_kwargs)
-        outputs = clone(*args, **kwargs)
-        new_layers[layer.name] = clone
-        for old, new in zip(tf.nest.flatten(node.outputs), tf.nest.flatten(outputs)):
-            mapped[id(old)] = new
-    new_outputs = [mapped[id(t)] for t in model.outputs]
-    folded = keras.Model(new_inputs, new_outputs if len(new_outputs) > 1 else new_outputs[0], name=model.name)
-    for name, clone in new_layers.items():
-        if name in producers:
-            clone.set_weights(_folded_weights(by_name[name], by_name[folded_bn_of[name]]))
-        else:
-            clone.set_weights(by_name[name].get_weights())
+            config = {**layer.get_config(), "use_bias": True}
+            clone = clones_with_bias[layer.name] = layer.__class__.from_config(config)
+            return clone(*args, **kwargs)
+        return None
+
+    clones_with_bias: dict[str, object] = {}
+    folded, clones = rebuild(model, rewrite)
+    clones.update(clones_with_bias)
+    copy_weights(
+        model,
+        clones,
+        {name: _folded_weights(by_name[name], by_name[folded_bn_of[name]]) for name in producers},
+    )
     return folded

@@ -1,0 +1,261 @@
+"""Post-training quantization with ranges edgeq chooses, not the converter's min/max.
+
+The float model is wrapped for QAT (TF-MOT, the same schemes as ``edgeq train``), run on
+the calibration samples once, and each fake-quant's min/max variables are set from what
+it would see: activations by minmax, percentile, MSE search or entropy (KL), weights per
+channel by minmax or MSE. Converting that model takes its ranges from the fake-quant ops,
+so the result is an ordinary integer model whose ranges are exactly the chosen ones.
+No training step runs. With ``rounding`` other than nearest, the weights are set to the
+codes edgeq chose times their scale (BN folded first, so the converter does not
+requantize them), and convert to exactly those int8 values.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeq.compat import keras
+from edgeq.numerics import weight_codes, weight_error
+from edgeq.ranges import activation_range, weight_ranges
+from edgeq.train import schemes
+from edgeq.transforms.adaround import ADAROUND_LAYERS, kernel_name
+from edgeq.transforms.fold import fold_batchnorm
+from edgeq.transforms.tfops import replace_tf_ops
+
+log = logging.getLogger(__name__)
+
+# Values kept per observed tensor for percentile/MSE/entropy (min and max are exact).
+_SAMPLE_CAP = 1 << 17
+
+
+@dataclass(frozen=True)
+class ChosenRange:
+    variable: str  # e.g. quant_conv1/output_min (its _max twin gets the upper bound)
+    layer: str  # the float model's layer whose output (or input, pre-activation) it covers
+    low: float
+    high: float
+
+
+class _Observer:
+    """Running min/max and a bounded random sample of one tensor's values."""
+
+    def __init__(self, rng):
+        self.rng, self.low, self.high, self.parts, self.kept = rng, np.inf, -np.inf, [], 0
+
+    def add(self, values: np.ndarray) -> None:
+        flat = np.asarray(values, dtype=np.float32).ravel()
+        self.low, self.high = min(self.low, float(flat.min())), max(self.high, float(flat.max()))
+        room = _SAMPLE_CAP - self.kept
+        take = flat if flat.size <= room else self.rng.choice(flat, size=max(room, flat.size // 8), replace=False)
+        self.parts.append(take)
+        self.kept += take.size
+
+    def values(self) -> np.ndarray:
+        sample = np.concatenate(self.parts)
+        return np.concatenate([sample, [self.low, self.high]])  # the extremes always count
+
+
+def _suffix(variable, layer=None) -> str:
+    """'quant_conv/kernel_min:0' -> 'kernel_min'; 'quantize_layer_1/quantize_layer_1_min:0' -> 'quantize_layer_min'.
+
+    Keras numbers the names of repeated layers in one process, and TF-MOT's QuantizeLayer
+    puts its own layer name into its variables' names.
+    """
+    name = variable.name.split("/")[-1].split(":")[0]
+    if layer is not None and name.startswith(f"{layer.name}_") and layer.name.startswith("quantize_layer"):
+        return "quantize_layer_" + name[len(layer.name) + 1 :]
+    return name
+
+
+def _by_suffix(layer) -> dict:
+    return {_suffix(v, layer): v for v in layer.weights}
+
+
+def _linear_twin(layer):
+    """The layer with a linear activation and the same weights: its pre-activation output."""
+    config = {**layer.get_config(), "activation": "linear", "name": f"{layer.name}__pre_activation"}
+    twin = layer.__class__.from_config(config)
+    twin.build(layer.input_shape)
+    twin.set_weights(layer.get_weights())
+    return twin
+
+
+def _activation_points(float_model, qat_model):
+    """[(min variable, max variable, float tensor, layer name)] for every activation fake-quant."""
+    points = []
+    for layer in qat_model.layers:
+        by_suffix = _by_suffix(layer)
+        if type(layer).__name__ == "QuantizeLayer":
+            low, high = by_suffix["quantize_layer_min"], by_suffix["quantize_layer_max"]
+            points.append((low, high, float_model.inputs[0], "input"))
+            continue
+        if not isinstance(layer, schemes.QuantizeWrapper):
+            continue
+        source = float_model.get_layer(layer.layer.name)
+        for kind in ("output", "post_activation"):
+            if f"{kind}_min" in by_suffix:
+                points.append((by_suffix[f"{kind}_min"], by_suffix[f"{kind}_max"], source.output, source.name))
+        if "pre_activation_min" in by_suffix:
+            pre = _linear_twin(source)(source.input)
+            points.append((by_suffix["pre_activation_min"], by_suffix["pre_activation_max"], pre, source.name))
+    return points
+
+
+def _set_weight_ranges(float_model, qat_model, method: str) -> list[ChosenRange]:
+    chosen = []
+    for layer in qat_model.layers:
+        if not isinstance(layer, schemes.QuantizeWrapper):
+            continue
+        source = float_model.get_layer(layer.layer.name)
+        by_suffix = _by_suffix(layer)
+        for weight in source.weights:
+            name = _suffix(weight)
+            low_var, high_var = by_suffix.get(f"{name}_min"), by_suffix.get(f"{name}_max")
+            if low_var is None:
+                continue
+            kernel = weight.numpy()
+            per_channel = int(np.prod(low_var.shape)) > 1
+            if type(source).__name__ == "DepthwiseConv2D" and per_channel:
+                kernel = kernel.reshape(*kernel.shape[:2], -1)  # (kh, kw, C * multiplier)
+            m = weight_ranges(kernel if per_channel else kernel.reshape(-1, 1), axis=-1, method=method)
+            m = m.reshape(low_var.shape).astype(np.float32)
+            low_var.assign(-m)
+            high_var.assign(m)
+            chosen.append(ChosenRange(low_var.name.split(":")[0], source.name, float(-m.max()), float(m.max())))
+    return chosen
+
+
+class RangeCalibration:
+    """The float model wrapped and observed once; ``model(method)`` sets ranges by any method.
+
+    Wrapping and the calibration pass are the slow part; trying another range method only
+    re-assigns the fake-quant variables.
+    """
+
+    def __init__(
+        self,
+        float_model,
+        x_calibration: np.ndarray,
+        per_tensor: bool = False,
+        batch_size: int = 16,
+        seed=0,
+        fold: bool = False,
+    ):
+        float_model, _ = replace_tf_ops(float_model)
+        # The converter's own BN fold is wrong after per-tensor fake-quant (see transforms.fold),
+        # and it would requantize weights whose rounding edgeq chose: fold first for both.
+        if per_tensor or fold:
+            float_model = fold_batchnorm(float_model)
+        self.x_calibration = x_calibration
+        self._rounded: dict = {}
+        self.rounding: dict = {}
+        settings = schemes.QuantSettings(granularity="per-tensor" if per_tensor else "per-channel")
+        self.float_model = float_model
+        self.qat_model = schemes.build_qat_model(float_model, settings)
+        self.points = _activation_points(float_model, self.qat_model)
+        probe = keras.Model(float_model.inputs, [tensor for _, _, tensor, _ in self.points])
+        rng = np.random.default_rng(seed)
+        self.observers = [_Observer(rng) for _ in self.points]
+        for start in range(0, len(x_calibration), batch_size):
+            outputs = probe(x_calibration[start : start + batch_size], training=False)
+            outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+            for observer, value in zip(self.observers, outputs):
+                observer.add(np.asarray(value))
+
+    def model(self, activations: str = "mse", weights: str = "minmax", rounding: str = "nearest", seed: int = 0):
+        """The QAT model with ranges set by these methods, and the ranges chosen.
+
+        With ``rounding`` other than nearest, each quantized kernel is set to the codes
+        edgeq chose times its scale (``self.rounding`` then says what was done).
+        """
+        chosen = []
+        for (low_var, high_var, _, layer), observer in zip(self.points, self.observers):
+            low, high = activation_range(observer.values(), activations)
+            low_var.assign(low)
+            high_var.assign(high)
+            chosen.append(ChosenRange(low_var.name.split(":")[0], layer, low, high))
+        chosen += _set_weight_ranges(self.float_model, self.qat_model, weights)
+        self.rounding = self._round_weights(rounding, seed, weights)
+        return self.qat_model, chosen
+
+    def _kernels(self):
+        """[(wrapped kernel variable, float layer, its kernel, per-channel scale)] of every fake-quantized kernel."""
+        found = []
+        for layer in self.qat_model.layers:
+            if not isinstance(layer, schemes.QuantizeWrapper) or type(layer.layer).__name__ not in ADAROUND_LAYERS:
+                continue
+            name = kernel_name(layer.layer)
+            by_suffix = _by_suffix(layer)
+            if f"{name}_max" not in by_suffix:
+                continue
+            source = self.float_model.get_layer(layer.layer.name)
+            kernel = getattr(source, name).numpy()
+            scale = by_suffix[f"{name}_max"].numpy().astype(np.float64) / 127
+            if scale.size > 1 and name == "depthwise_kernel":
+                scale = scale.reshape(kernel.shape[2:])
+            found.append((by_suffix[name], source, kernel, scale))  # the wrapper's kernel variable
+        return found
+
+    def _round_weights(self, method: str, seed: int, weight_method: str, iterations: int = 300) -> dict:
+        """Set every quantized kernel to its codes by ``method`` times its scale.
+
+        "nearest" restores the FP32 kernels (the converter rounds them). Returns what was done
+        and each layer's weight MSE (and, for adaround, output MSE vs nearest). The codes
+        depend on the weight ranges, not the activation ranges: they are computed once.
+        """
+        key = (method, seed, weight_method)
+        if key in self._rounded:
+            values, record = self._rounded[key]
+            for variable, value in values:
+                variable.assign(value)
+            return record
+        layers, values = [], []
+        for variable, source, kernel, scale in self._kernels():
+            if method == "nearest":
+                values.append((variable, kernel))
+                variable.assign(kernel)
+                continue
+            entry = {"layer": source.name}
+            if method == "adaround":
+                from edgeq.transforms.adaround import adaround
+
+                probe = keras.Model(self.float_model.inputs, source.input)
+                # at most 64 samples: a 112x112x96 input of 256 samples would be 1.2 GB
+                inputs = probe.predict(self.x_calibration[:64], batch_size=32, verbose=0)
+                q, result = adaround(source, inputs, scale, iterations=iterations, seed=seed)
+                entry |= {
+                    "output_mse_nearest": result.output_mse_nearest,
+                    "output_mse": result.output_mse,
+                    "flipped": round(result.flipped, 6),
+                }
+            else:
+                q = weight_codes(kernel, scale, method, seed=seed + len(layers))
+            entry["weight_mse"] = weight_error(kernel, scale, q)
+            entry["weight_mse_nearest"] = weight_error(kernel, scale, weight_codes(kernel, scale, "nearest"))
+            value = (q * scale).astype(np.float32)
+            values.append((variable, value))
+            variable.assign(value)
+            layers.append(entry)
+        record = {"method": method, "seed": seed if method != "nearest" else None, "layers": layers}
+        self._rounded[key] = (values, record)
+        return record
+
+
+def calibrated_model(
+    float_model,
+    x_calibration: np.ndarray,
+    activations: str = "mse",
+    weights: str = "minmax",
+    per_tensor: bool = False,
+    rounding: str = "nearest",
+    seed: int = 0,
+):
+    """A TF-MOT-wrapped copy of ``float_model`` (tf_keras) whose fake-quant ranges are set.
+
+    Returns (qat_model, chosen ranges). The QAT model converts like any QAT model.
+    """
+    calibration = RangeCalibration(float_model, x_calibration, per_tensor, fold=rounding != "nearest")
+    return calibration.model(activations, weights, rounding, seed)

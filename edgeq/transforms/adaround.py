@@ -1,0 +1,125 @@
+"""AdaRound (Nagel et al. 2020, "Up or Down? Adaptive Rounding for Post-Training Quantization").
+
+For one Conv2D / DepthwiseConv2D / Dense layer with its per-channel scale fixed, learn for
+each weight whether to round down or up, so that the layer's output on calibration inputs
+moves as little as possible. The rounding is a soft variable h(V) in [0, 1] (rectified
+sigmoid); a regulariser, annealed from beta=20 to 2, pushes every h to 0 or 1. Inputs are
+the FP32 model's (the paper's simpler variant); layers are rounded one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeq.compat import tf
+from edgeq.numerics import weight_codes
+
+ADAROUND_LAYERS = ("Conv2D", "DepthwiseConv2D", "Dense")
+_ZETA, _GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch
+
+
+@dataclass(frozen=True)
+class AdaRoundResult:
+    layer: str
+    output_mse_nearest: float  # the layer's output MSE vs FP32 with round-to-nearest
+    output_mse: float  # ... with the learned rounding
+    flipped: float  # share of weights rounded the other way than nearest
+
+
+def kernel_name(layer) -> str:
+    return "depthwise_kernel" if type(layer).__name__ == "DepthwiseConv2D" else "kernel"
+
+
+def _linear(layer):
+    """f(x, kernel): the layer's output with another kernel (bias and activation included)."""
+    kind = type(layer).__name__
+    activation = layer.activation
+    bias = layer.bias if getattr(layer, "use_bias", False) else None
+
+    if kind == "Dense":
+
+        def op(x, kernel):
+            return tf.tensordot(x, kernel, [[x.shape.rank - 1], [0]])
+
+    elif kind == "DepthwiseConv2D":
+        strides = (1, *layer.strides, 1)
+        padding = layer.padding.upper()
+
+        def op(x, kernel):
+            return tf.nn.depthwise_conv2d(x, kernel, strides, padding, dilations=layer.dilation_rate)
+
+    else:
+        op = layer.convolution_op
+
+    def f(x, kernel):
+        y = op(x, kernel)
+        return activation(y + bias if bias is not None else y)
+
+    return f
+
+
+def _rectified_sigmoid(v):
+    return tf.clip_by_value(tf.sigmoid(v) * (_ZETA - _GAMMA) + _GAMMA, 0.0, 1.0)
+
+
+def adaround(
+    layer,
+    inputs: np.ndarray,
+    scale: np.ndarray,
+    iterations: int = 300,
+    batch_size: int = 16,
+    regularization: float = 0.01,
+    seed: int = 0,
+) -> tuple[np.ndarray, AdaRoundResult]:
+    """Integer codes for ``layer``'s kernel at ``scale`` (broadcast on the kernel), learned on ``inputs``."""
+    f = _linear(layer)
+    kernel = getattr(layer, kernel_name(layer)).numpy().astype(np.float32)
+    scale = np.broadcast_to(np.asarray(scale, dtype=np.float32), kernel.shape)
+    floor = np.floor(kernel / scale)
+    rest = np.clip(kernel / scale - floor, 1e-4, 1 - 1e-4)
+    # V such that h(V) starts at the fractional part: the soft rounding starts at the float weights
+    v = tf.Variable(-np.log((_ZETA - _GAMMA) / (rest - _GAMMA) - 1.0).astype(np.float32))
+    floor_t, scale_t, kernel_t = tf.constant(floor), tf.constant(scale), tf.constant(kernel)
+    x_all = tf.constant(inputs, dtype=tf.float32)
+    optimizer = tf.keras.optimizers.Adam(learning_rate=1e-2)
+    warmup = int(0.2 * iterations)
+
+    def soft_kernel():
+        return scale_t * tf.clip_by_value(floor_t + _rectified_sigmoid(v), -127, 127)
+
+    @tf.function
+    def step(x, beta, weight):
+        target = f(x, kernel_t)
+        with tf.GradientTape() as tape:
+            diff = f(x, soft_kernel()) - target
+            reconstruction = tf.reduce_mean(tf.reduce_sum(tf.square(diff), axis=-1))
+            h = _rectified_sigmoid(v)
+            rounding = tf.reduce_sum(1.0 - tf.pow(tf.abs(2.0 * h - 1.0), beta))
+            loss = reconstruction + weight * rounding
+        optimizer.apply_gradients([(tape.gradient(loss, v), v)])
+
+    rng = np.random.default_rng(seed)
+    n = len(inputs)
+    for i in range(iterations):
+        pick = rng.choice(n, size=min(batch_size, n), replace=False)
+        if i < warmup:
+            beta, weight = 20.0, 0.0
+        else:
+            progress = (i - warmup) / max(1, iterations - warmup)
+            beta, weight = 20.0 + (2.0 - 20.0) * progress, regularization
+        step(tf.gather(x_all, pick), tf.constant(beta), tf.constant(weight))
+
+    learned = np.clip(floor + (_rectified_sigmoid(v).numpy() >= 0.5), -127, 127)
+    nearest = weight_codes(kernel, scale, "nearest")
+    reference = f(x_all, kernel_t).numpy()
+
+    def output_mse(q):
+        return float(np.mean((f(x_all, tf.constant((q * scale).astype(np.float32))).numpy() - reference) ** 2))
+
+    result = AdaRoundResult(layer.name, output_mse(nearest), output_mse(learned), float(np.mean(learned != nearest)))
+    if result.output_mse > result.output_mse_nearest:  # never worse than nearest on the data it saw
+        learned = nearest
+        result = AdaRoundResult(layer.name, result.output_mse_nearest, result.output_mse_nearest, 0.0)
+    return learned, result

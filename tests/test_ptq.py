@@ -1,0 +1,255 @@
+"""edgeq's own post-training ranges: methods that are not no-ops, ranges that reach the .tflite, --ptq auto."""
+
+import json
+
+import numpy as np
+import pytest
+
+from edgeq.ranges import activation_range, fake_quant_asymmetric, quantization_mse, weight_ranges
+
+
+def outlier_values(seed=0):
+    rng = np.random.default_rng(seed)
+    x = np.maximum(rng.normal(0.5, 0.3, 200_000), 0)  # post-ReLU activations
+    x[rng.choice(x.size, 8, replace=False)] = 80.0  # a handful of outliers
+    return x
+
+
+@pytest.mark.parametrize("method", ["percentile", "entropy"])
+def test_clipping_methods_keep_ordinary_values_precise_despite_outliers(method):
+    x = outlier_values()
+    minmax = activation_range(x, "minmax")
+    chosen = activation_range(x, method)
+    assert chosen[1] < minmax[1] / 4  # clipped well below the outliers
+    assert chosen[0] <= 0 <= chosen[1]
+    ordinary = x[x < 10]
+    assert quantization_mse(ordinary, *chosen) < quantization_mse(ordinary, *minmax) / 10
+
+
+def test_mse_search_lowers_the_total_error_of_a_heavy_tail():
+    x = np.abs(np.random.default_rng(2).laplace(0, 0.2, 200_000))
+    minmax = activation_range(x, "minmax")
+    chosen = activation_range(x, "mse")
+    assert chosen[1] < minmax[1]
+    assert quantization_mse(x, *chosen) < 0.9 * quantization_mse(x, *minmax)  # a no-op gives 1.0
+
+
+def test_minmax_keeps_everything_and_zero_is_exact():
+    x = np.array([-1.0, 0.0, 0.3, 2.0])
+    lo, hi = activation_range(x, "minmax")
+    assert (lo, hi) == (-1.0, 2.0)
+    assert fake_quant_asymmetric(np.array([0.0]), lo, hi)[0] == 0.0
+
+
+def test_mse_weight_ranges_clip_heavy_tails_per_channel():
+    rng = np.random.default_rng(1)
+    kernel = rng.laplace(0, 0.05, size=(3, 3, 128, 4))
+    kernel[..., 3] = rng.uniform(-0.1, 0.1, size=(3, 3, 128))  # no tail: nothing to clip
+    minmax = weight_ranges(kernel, method="minmax", bits=4)
+    mse = weight_ranges(kernel, method="mse", bits=4)
+    assert np.all(mse[:3] < 0.8 * minmax[:3]) and mse[3] > 0.9 * minmax[3]
+
+    def error(m):
+        scale = m / 7
+        return np.mean((kernel - np.clip(np.round(kernel / scale), -7, 7) * scale) ** 2)
+
+    assert error(mse) < error(minmax)
+
+
+def _sqnr_vs(reference, got):
+    from edgeq.metrics import compare_outputs
+
+    return compare_outputs(reference, got).sqnr_db
+
+
+def test_every_clipping_method_beats_minmax_on_a_model_calibrated_with_an_outlier(digits_run, tmp_path):
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.data import load_dataset
+    from edgeq.model_io import load_keras_model
+    from edgeq.ptq import RangeCalibration
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    d = load_dataset("digits")
+    model = load_keras_model(digits_run.fp32_model)
+    x_cal = d.calibration_samples(128).copy()
+    x_cal[0, 4, 4, 0] = 40.0  # one hot pixel (the rest are in [0, 1]) blows the min/max ranges up
+    calibration = RangeCalibration(model, x_cal)
+    reference = model.predict(d.x_test, verbose=0)
+    sqnr = {}
+    for method in ("minmax", "percentile", "mse", "entropy"):
+        qat, chosen = calibration.model(method)
+        out = tmp_path / f"{method}.tflite"
+        convert(qat, out, ConvertOptions(mode="int8-only", calib="digits", min_sqnr_db=-100))
+        sqnr[method] = _sqnr_vs(reference, TFLiteModel(out).predict(d.x_test, batch_size=1))
+    # measured: minmax 17.0 dB, percentile 19.2, mse 19.2, entropy 40.0
+    assert all(sqnr[m] > sqnr["minmax"] + 1.0 for m in ("percentile", "mse", "entropy")), sqnr
+
+
+def test_the_chosen_ranges_are_the_ranges_in_the_tflite(digits_run, tmp_path):
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.data import load_dataset
+    from edgeq.model_io import load_keras_model
+    from edgeq.ptq import RangeCalibration
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    d = load_dataset("digits")
+    model = load_keras_model(digits_run.fp32_model)
+    qat, chosen = RangeCalibration(model, d.calibration_samples(64)).model("percentile")
+    out = tmp_path / "p.tflite"
+    convert(qat, out, ConvertOptions(mode="int8-only", calib="digits"))
+    tensor = TFLiteModel(out).input
+    lo, hi = next((c.low, c.high) for c in chosen if c.layer == "input")
+    scale = (hi - lo) / 255.0
+    assert tensor.scale == pytest.approx(scale, rel=1e-5)
+    assert tensor.zero_point == int(np.round(-128 - lo / scale))
+
+
+def test_ptq_auto_keeps_the_best_candidate_and_records_every_one(cli, digits_run, tmp_path):
+    out = tmp_path / "auto.tflite"
+    model = digits_run.fp32_model
+    result = cli("convert", model, "--int8-only", "--calib", "digits", "--ptq-target", "200", "--out", out)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(out.with_name("auto.manifest.json").read_text())
+    record = manifest["ptq"]
+    assert [c["method"] for c in record["candidates"]] == ["converter", "percentile", "mse", "entropy"]
+    best = max(record["candidates"], key=lambda c: c.get("sqnr_db", -1e9))
+    assert record["chosen"] == best["method"]
+    assert best["sqnr_db"] >= next(c["sqnr_db"] for c in record["candidates"] if c["method"] == "converter")
+    assert "val samples" in manifest["verification"]["data"]  # checked on data calibration never saw
+    assert manifest["verification"]["integer_only"]
+
+    # By default auto stops at the first candidate that passes verification: here the converter's.
+    out = tmp_path / "quick.tflite"
+    assert cli("convert", model, "--int8-only", "--calib", "digits", "--out", out).exit_code == 0
+    record = json.loads(out.with_name("quick.manifest.json").read_text())["ptq"]
+    assert [c["method"] for c in record["candidates"]] == ["converter"] and record["target_db"] == 10.0
+
+
+def test_ptq_method_is_a_choice(cli, digits_run, tmp_path):
+    result = cli("convert", digits_run.fp32_model, "--int8-only", "--ptq", "magic", "--out", tmp_path / "x.tflite")
+    assert result.exit_code != 0 and "magic" in result.output
+
+
+def test_equalization_across_relu6_in_a_mobilenetv2_block_is_exact_on_its_data():
+    """Depthwise -> ReLU6 -> pointwise, as in MobileNetV2: CLE narrows the channel ranges, FP32 outputs stay."""
+    from edgeq.compat import keras
+    from edgeq.transforms.equalize import equalized_copy
+
+    L = keras.layers
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((12, 12, 8))
+    x = L.Conv2D(16, 1, use_bias=False, name="expand")(inputs)
+    x = L.BatchNormalization(name="expand_bn")(x)
+    x = L.ReLU(6.0, name="expand_relu")(x)
+    x = L.DepthwiseConv2D(3, padding="same", use_bias=False, name="dw")(x)
+    x = L.BatchNormalization(name="dw_bn")(x)
+    x = L.ReLU(6.0, name="dw_relu")(x)
+    x = L.Conv2D(8, 1, use_bias=False, name="project")(x)
+    model = keras.Model(inputs, L.BatchNormalization(name="project_bn")(x))
+    dw = model.get_layer("dw")
+    kernel = dw.get_weights()[0]
+    kernel[..., 5, 0] *= 30.0  # one depthwise channel with a far wider range than the rest
+    dw.set_weights([kernel])
+    for bn in ("expand_bn", "dw_bn", "project_bn"):
+        layer = model.get_layer(bn)
+        gamma, beta, mean, var = layer.get_weights()
+        layer.set_weights([gamma, beta, mean, var * 30.0])  # keep activations mostly under the clip
+    x = np.random.default_rng(0).uniform(0, 1, size=(64, 12, 12, 8)).astype("float32")
+    equalized, pairs = equalized_copy(model, x)
+    by_first = {p.first: p for p in pairs}
+    assert "dw" in by_first and by_first["dw"].range_spread_after < 0.75 * by_first["dw"].range_spread_before
+    np.testing.assert_allclose(equalized.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-5)
+    _, without_data = equalized_copy(model)
+    assert "dw" not in {p.first for p in without_data}  # no data: the clip cannot be re-checked
+
+
+def test_stochastic_rounding_is_seeded_unbiased_and_not_nearest():
+    from edgeq.numerics import weight_codes as codes
+
+    rng = np.random.default_rng(0)
+    kernel = rng.normal(0, 0.05, size=(3, 3, 16, 8))
+    scale = np.max(np.abs(kernel), axis=(0, 1, 2)) / 127
+    first, again, other = (codes(kernel, scale, "stochastic", seed=s) for s in (3, 3, 4))
+    nearest = codes(kernel, scale, "nearest")
+    np.testing.assert_array_equal(first, again)
+    assert np.mean(first != other) > 0.2 and np.mean(first != nearest) > 0.2
+    assert np.all(np.abs(first - kernel / scale) < 1.0)  # the floor or the ceiling, never further
+    assert abs(np.mean(first - kernel / scale)) < 0.01  # unbiased: errors cancel on average
+
+
+def _int8_kernels(path):
+    """The int8 filter of every CONV_2D / DEPTHWISE / FULLY_CONNECTED op, in Keras layout order."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=str(path))
+    interpreter.allocate_tensors()
+    found = []
+    for op in interpreter._get_ops_details():  # test-only: which tensor is each op's filter
+        if op["op_name"] in ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"):
+            found.append((op["op_name"], interpreter.get_tensor(int(op["inputs"][1]))))
+    return found
+
+
+def test_chosen_rounding_reaches_the_tflite_as_those_int8_values(digits_run, tmp_path):
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.data import load_dataset
+    from edgeq.model_io import load_keras_model
+    from edgeq.ptq import RangeCalibration
+
+    d = load_dataset("digits")
+    calibration = RangeCalibration(load_keras_model(digits_run.fp32_model), d.calibration_samples(64), fold=True)
+
+    def chosen_codes():
+        return [np.round(v.numpy() / s) for v, _, _, s in calibration._kernels()]
+
+    qat, _ = calibration.model("minmax", rounding="stochastic", seed=3)
+    seed3 = chosen_codes()
+    out = tmp_path / "stochastic.tflite"
+    convert(qat, out, ConvertOptions(mode="int8-only", calib="digits", ptq="converter"))
+    in_tflite = _int8_kernels(out)
+    assert len(in_tflite) == len(seed3)
+    for (op, q), want in zip(in_tflite, seed3):
+        keras_layout = np.transpose(q, (1, 2, 3, 0)) if op == "CONV_2D" else q.T if q.ndim == 2 else q[0]
+        np.testing.assert_array_equal(keras_layout.reshape(want.shape), want)
+    assert calibration.rounding["method"] == "stochastic" and calibration.rounding["seed"] == 3
+
+    calibration.model("minmax", rounding="stochastic", seed=4)
+    assert any(np.any(a != b) for a, b in zip(seed3, chosen_codes()))
+    calibration.model("minmax")  # nearest again: the FP32 kernels, for the converter to round
+    for variable, _, kernel, _ in calibration._kernels():
+        np.testing.assert_array_equal(variable.numpy(), kernel)
+
+
+def test_adaround_lowers_the_layers_output_error_against_nearest():
+    from edgeq.compat import keras
+    from edgeq.transforms.adaround import adaround
+
+    rng = np.random.default_rng(0)
+    layer = keras.layers.Conv2D(16, 3, padding="same", kernel_initializer=keras.initializers.GlorotUniform(seed=0))
+    x = np.maximum(rng.normal(0.3, 1.0, size=(64, 8, 8, 8)), 0).astype("float32")
+    layer(x[:1])
+    kernel = layer.kernel.numpy()
+    scale = np.max(np.abs(kernel), axis=(0, 1, 2)) / 127 * 8  # coarse (4-bit-like) steps: rounding matters
+    q, result = adaround(layer, x, scale, iterations=300)
+    assert result.output_mse < 0.85 * result.output_mse_nearest, result  # measured: 0.71
+    assert 0 < result.flipped < 0.5
+    assert np.all(np.abs(q - kernel / scale) < 1.0)  # each weight went down or up, no further
+
+
+def test_convert_rounding_adaround_records_each_layer(cli, digits_run, tmp_path):
+    out = tmp_path / "ada.tflite"
+    result = cli(
+        "convert", digits_run.fp32_model, "--int8-only", "--calib", "digits", "--rounding", "adaround", "--out", out
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(out.with_name("ada.manifest.json").read_text())
+    rounding = manifest["ptq"]["rounding"]
+    assert rounding["method"] == "adaround" and rounding["seed"] == 0
+    assert "converter" not in [c["method"] for c in manifest["ptq"]["candidates"]]  # it rounds to nearest
+    assert rounding["layers"] and all(la["output_mse"] <= la["output_mse_nearest"] for la in rounding["layers"])
+    assert manifest["verification"]["integer_only"] and manifest["verification"]["passed"]
+
+
+def test_rounding_needs_edgeqs_ranges(cli, digits_run, tmp_path):
+    result = cli("convert", digits_run.fp32_model, "--ptq", "converter", "--rounding", "stochastic")
+    assert result.exit_code != 0 and "--rounding stochastic" in result.output
