@@ -21,14 +21,12 @@ from edgeq.compat import keras
 from edgeq.numerics import weight_codes, weight_error
 from edgeq.ranges import activation_range, weight_ranges
 from edgeq.train import schemes
+from edgeq.train.observe import activation_points, by_suffix, observe, suffix
 from edgeq.transforms.adaround import ADAROUND_LAYERS, kernel_name
 from edgeq.transforms.fold import fold_batchnorm
 from edgeq.transforms.tfops import replace_tf_ops
 
 log = logging.getLogger(__name__)
-
-# Values kept per observed tensor for percentile/MSE/entropy (min and max are exact).
-_SAMPLE_CAP = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -39,81 +37,16 @@ class ChosenRange:
     high: float
 
 
-class _Observer:
-    """Running min/max and a bounded random sample of one tensor's values."""
-
-    def __init__(self, rng):
-        self.rng, self.low, self.high, self.parts, self.kept = rng, np.inf, -np.inf, [], 0
-
-    def add(self, values: np.ndarray) -> None:
-        flat = np.asarray(values, dtype=np.float32).ravel()
-        self.low, self.high = min(self.low, float(flat.min())), max(self.high, float(flat.max()))
-        room = _SAMPLE_CAP - self.kept
-        take = flat if flat.size <= room else self.rng.choice(flat, size=max(room, flat.size // 8), replace=False)
-        self.parts.append(take)
-        self.kept += take.size
-
-    def values(self) -> np.ndarray:
-        sample = np.concatenate(self.parts)
-        return np.concatenate([sample, [self.low, self.high]])  # the extremes always count
-
-
-def _suffix(variable, layer=None) -> str:
-    """'quant_conv/kernel_min:0' -> 'kernel_min'; 'quantize_layer_1/quantize_layer_1_min:0' -> 'quantize_layer_min'.
-
-    Keras numbers the names of repeated layers in one process, and TF-MOT's QuantizeLayer
-    puts its own layer name into its variables' names.
-    """
-    name = variable.name.split("/")[-1].split(":")[0]
-    if layer is not None and name.startswith(f"{layer.name}_") and layer.name.startswith("quantize_layer"):
-        return "quantize_layer_" + name[len(layer.name) + 1 :]
-    return name
-
-
-def _by_suffix(layer) -> dict:
-    return {_suffix(v, layer): v for v in layer.weights}
-
-
-def _linear_twin(layer):
-    """The layer with a linear activation and the same weights: its pre-activation output."""
-    config = {**layer.get_config(), "activation": "linear", "name": f"{layer.name}__pre_activation"}
-    twin = layer.__class__.from_config(config)
-    twin.build(layer.input_shape)
-    twin.set_weights(layer.get_weights())
-    return twin
-
-
-def _activation_points(float_model, qat_model):
-    """[(min variable, max variable, float tensor, layer name)] for every activation fake-quant."""
-    points = []
-    for layer in qat_model.layers:
-        by_suffix = _by_suffix(layer)
-        if type(layer).__name__ == "QuantizeLayer":
-            low, high = by_suffix["quantize_layer_min"], by_suffix["quantize_layer_max"]
-            points.append((low, high, float_model.inputs[0], "input"))
-            continue
-        if not isinstance(layer, schemes.QuantizeWrapper):
-            continue
-        source = float_model.get_layer(layer.layer.name)
-        for kind in ("output", "post_activation"):
-            if f"{kind}_min" in by_suffix:
-                points.append((by_suffix[f"{kind}_min"], by_suffix[f"{kind}_max"], source.output, source.name))
-        if "pre_activation_min" in by_suffix:
-            pre = _linear_twin(source)(source.input)
-            points.append((by_suffix["pre_activation_min"], by_suffix["pre_activation_max"], pre, source.name))
-    return points
-
-
 def _set_weight_ranges(float_model, qat_model, method: str) -> list[ChosenRange]:
     chosen = []
     for layer in qat_model.layers:
         if not isinstance(layer, schemes.QuantizeWrapper):
             continue
         source = float_model.get_layer(layer.layer.name)
-        by_suffix = _by_suffix(layer)
+        found = by_suffix(layer)
         for weight in source.weights:
-            name = _suffix(weight)
-            low_var, high_var = by_suffix.get(f"{name}_min"), by_suffix.get(f"{name}_max")
+            name = suffix(weight)
+            low_var, high_var = found.get(f"{name}_min"), found.get(f"{name}_max")
             if low_var is None:
                 continue
             kernel = weight.numpy()
@@ -155,15 +88,8 @@ class RangeCalibration:
         settings = schemes.QuantSettings(granularity="per-tensor" if per_tensor else "per-channel")
         self.float_model = float_model
         self.qat_model = schemes.build_qat_model(float_model, settings)
-        self.points = _activation_points(float_model, self.qat_model)
-        probe = keras.Model(float_model.inputs, [tensor for _, _, tensor, _ in self.points])
-        rng = np.random.default_rng(seed)
-        self.observers = [_Observer(rng) for _ in self.points]
-        for start in range(0, len(x_calibration), batch_size):
-            outputs = probe(x_calibration[start : start + batch_size], training=False)
-            outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-            for observer, value in zip(self.observers, outputs):
-                observer.add(np.asarray(value))
+        self.points = activation_points(float_model, self.qat_model)
+        self.observers = observe(float_model, self.points, x_calibration, batch_size, seed)
 
     def model(self, activations: str = "mse", weights: str = "minmax", rounding: str = "nearest", seed: int = 0):
         """The QAT model with ranges set by these methods, and the ranges chosen.
@@ -183,21 +109,21 @@ class RangeCalibration:
 
     def _kernels(self):
         """[(wrapped kernel variable, float layer, its kernel, per-channel scale)] of every fake-quantized kernel."""
-        found = []
+        kernels = []
         for layer in self.qat_model.layers:
             if not isinstance(layer, schemes.QuantizeWrapper) or type(layer.layer).__name__ not in ADAROUND_LAYERS:
                 continue
             name = kernel_name(layer.layer)
-            by_suffix = _by_suffix(layer)
-            if f"{name}_max" not in by_suffix:
+            found = by_suffix(layer)
+            if f"{name}_max" not in found:
                 continue
             source = self.float_model.get_layer(layer.layer.name)
             kernel = getattr(source, name).numpy()
-            scale = by_suffix[f"{name}_max"].numpy().astype(np.float64) / 127
+            scale = found[f"{name}_max"].numpy().astype(np.float64) / 127
             if scale.size > 1 and name == "depthwise_kernel":
                 scale = scale.reshape(kernel.shape[2:])
-            found.append((by_suffix[name], source, kernel, scale))  # the wrapper's kernel variable
-        return found
+            kernels.append((found[name], source, kernel, scale))  # the wrapper's kernel variable
+        return kernels
 
     def _round_weights(self, method: str, seed: int, weight_method: str, iterations: int = 300) -> dict:
         """Set every quantized kernel to its codes by ``method`` times its scale.

@@ -56,6 +56,8 @@ def test_keras3_digits_train_qat_int8_only_within_half_a_point(cli, tmp_path):
     }
     assert keras_flavour_of_file(out / "fp32.keras") == KERAS3  # the user's Keras, trained weights inside
     assert record["quantization"]["float_layers"] == []
+    assert record["quantization"]["initial_activation_ranges"]["method"] == "mse"
+    assert record["quantization"]["initial_activation_ranges"]["set_per_stage"]["qat-w8a8"] >= 4
 
     tflite = tmp_path / "k3_int8.tflite"
     converted = cli("convert", out / "qat.h5", "--int8-only", "--out", tflite)

@@ -253,3 +253,24 @@ def test_convert_rounding_adaround_records_each_layer(cli, digits_run, tmp_path)
 def test_rounding_needs_edgeqs_ranges(cli, digits_run, tmp_path):
     result = cli("convert", digits_run.fp32_model, "--ptq", "converter", "--rounding", "stochastic")
     assert result.exit_code != 0 and "--rounding stochastic" in result.output
+
+
+def test_qat_starts_from_calibrated_activation_ranges_not_tfmots_default():
+    from edgeq.compat import keras
+    from edgeq.train.observe import activation_points, initialize_ranges
+    from edgeq.train.schemes import QuantSettings, build_qat_model
+
+    L = keras.layers
+    inputs = keras.Input((8, 8, 1))
+    x = L.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    x = L.GlobalAveragePooling2D()(x)
+    model = keras.Model(inputs, L.Dense(10)(x))
+    qat = build_qat_model(model, QuantSettings())
+    points = activation_points(model, qat)
+    assert 6.0 in {round(float(high.numpy()), 3) for _, high, _, _ in points}  # TF-MOT starts at [-6, 6]
+    data = np.random.default_rng(0).uniform(0, 0.5, size=(64, 8, 8, 1)).astype("float32")
+    assert initialize_ranges(qat, model, data, "minmax") == len(points) >= 3
+    probe = keras.Model(model.inputs, [tensor for _, _, tensor, _ in points])
+    for (low, high, _, layer), seen in zip(points, probe.predict(data, verbose=0)):
+        assert float(high.numpy()) == pytest.approx(max(float(seen.max()), 0.0), rel=1e-5), layer
+        assert float(low.numpy()) == pytest.approx(min(float(seen.min()), 0.0), rel=1e-5), layer

@@ -54,6 +54,13 @@ def _model_options(values: tuple[str, ...]) -> dict:
     help="Fold BatchNormalization into the conv/dense before QAT (default: only with per-tensor).",
 )
 @click.option(
+    "--init-ranges",
+    type=click.Choice(["mse", "percentile", "entropy", "minmax", "tfmot"]),
+    default="mse",
+    show_default=True,
+    help="Start QAT's activation ranges from calibration data by this method (tfmot: TF-MOT's [-6, 6]).",
+)
+@click.option(
     "-o", "--model-option", "model_options", multiple=True, help="Reference-model option KEY=VALUE (e.g. alpha=0.5)."
 )
 @click.option("--seed", type=int, default=0, show_default=True)

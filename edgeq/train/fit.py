@@ -38,6 +38,7 @@ from edgeq.model_io import (
 )
 from edgeq.train import schemes
 from edgeq.train.layer_config import LayerConfig, LayerPrecision
+from edgeq.train.observe import initialize_ranges
 from edgeq.train.schedule import Stage, make_schedule
 from edgeq.transforms.fold import fold_batchnorm
 
@@ -63,6 +64,7 @@ class TrainConfig:
     schedule: str = "default"
     layer_config: str | None = None
     fold_bn: bool | None = None  # None: fold when per-tensor (the converter's fold is wrong there)
+    init_ranges: str = "mse"  # QAT's activation ranges start from calibration by this method; "tfmot": [-6, 6]
     model_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
@@ -321,6 +323,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
     # A resumed run restarts from checkpoint/stage_start.keras, folded already if it was.
     folded = state is not None and not any(type(la).__name__ == "BatchNormalization" for la in model.layers)
     qat_model = None
+    initialized: dict[str, int] = {}  # stage -> activation ranges set from calibration
     results: list[StageResult] = []
     started = time.perf_counter()
     try:
@@ -341,6 +344,15 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
                 only = set(quantizable[:n]) if stage.layer_fraction < 1.0 else None
                 stage_settings = replace(settings, weight_bits=stage.weight_bits, activation_bits=stage.activation_bits)
                 stage_model = schemes.build_qat_model(float_model, stage_settings, only_layers=only)
+                if initial_epoch == 0 and config.init_ranges != "tfmot":
+                    initialized[stage.name] = initialize_ranges(
+                        stage_model,
+                        float_model,
+                        dataset.calibration_samples(min(256, len(dataset.x_train))),
+                        config.init_ranges,
+                        stage.activation_bits,
+                        symmetric=config.activations == "symmetric",
+                    )
                 _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value)
             if initial_epoch > 0:
                 stage_model.load_weights(str(out_dir / "checkpoint" / "stage.weights.h5"))
@@ -404,6 +416,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
             **settings.to_dict(),
             "batchnorm_folded_before_qat": bool(fold_bn),
             "float_layers": schemes.float_layers(qat_model) if qat_model is not None else [],
+            "initial_activation_ranges": {"method": config.init_ranges, "set_per_stage": initialized},
         },
         "schedule": [s.to_dict() for s in stages],
         "data": dataset.describe(),

@@ -1,0 +1,127 @@
+"""What each activation fake-quant of a QAT model would see, and ranges set from it.
+
+A QAT model's activation fake-quants start at TF-MOT's default range [-6, 6] and move
+towards the data by a slow moving average. Observing the float model's tensors on
+calibration samples once gives each fake-quant its range before the first step
+(``initialize_ranges``; ``edgeq train --init-ranges``), and gives edgeq's post-training
+quantization (edgeq.ptq) the values its range methods choose from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeq.compat import keras
+from edgeq.ranges import activation_range
+from edgeq.train import schemes
+from edgeq.transforms.tfops import replace_tf_ops
+
+# Values kept per observed tensor for percentile/MSE/entropy (min and max are exact).
+_SAMPLE_CAP = 1 << 17
+
+
+class Observer:
+    """Running min/max and a bounded random sample of one tensor's values."""
+
+    def __init__(self, rng):
+        self.rng, self.low, self.high, self.parts, self.kept = rng, np.inf, -np.inf, [], 0
+
+    def add(self, values: np.ndarray) -> None:
+        flat = np.asarray(values, dtype=np.float32).ravel()
+        self.low, self.high = min(self.low, float(flat.min())), max(self.high, float(flat.max()))
+        room = _SAMPLE_CAP - self.kept
+        take = flat if flat.size <= room else self.rng.choice(flat, size=max(room, flat.size // 8), replace=False)
+        self.parts.append(take)
+        self.kept += take.size
+
+    def values(self) -> np.ndarray:
+        sample = np.concatenate(self.parts)
+        return np.concatenate([sample, [self.low, self.high]])  # the extremes always count
+
+
+def suffix(variable, layer=None) -> str:
+    """'quant_conv/kernel_min:0' -> 'kernel_min'; 'quantize_layer_1/quantize_layer_1_min:0' -> 'quantize_layer_min'.
+
+    Keras numbers the names of repeated layers in one process, and TF-MOT's QuantizeLayer
+    puts its own layer name into its variables' names.
+    """
+    name = variable.name.split("/")[-1].split(":")[0]
+    if layer is not None and name.startswith(f"{layer.name}_") and layer.name.startswith("quantize_layer"):
+        return "quantize_layer_" + name[len(layer.name) + 1 :]
+    return name
+
+
+def by_suffix(layer) -> dict:
+    return {suffix(v, layer): v for v in layer.weights}
+
+
+def _linear_twin(layer):
+    """The layer with a linear activation and the same weights: its pre-activation output."""
+    config = {**layer.get_config(), "activation": "linear", "name": f"{layer.name}__pre_activation"}
+    twin = layer.__class__.from_config(config)
+    twin.build(layer.input_shape)
+    twin.set_weights(layer.get_weights())
+    return twin
+
+
+def activation_points(float_model, qat_model):
+    """[(min variable, max variable, float tensor, layer name)] for every activation fake-quant.
+
+    ``float_model`` is the model ``qat_model`` was built from, after ``replace_tf_ops``
+    (layer names match).
+    """
+    points = []
+    names = {la.name for la in float_model.layers}
+    for layer in qat_model.layers:
+        found = by_suffix(layer)
+        if type(layer).__name__ == "QuantizeLayer":
+            low, high = found["quantize_layer_min"], found["quantize_layer_max"]
+            points.append((low, high, float_model.inputs[0], "input"))
+            continue
+        if not isinstance(layer, schemes.QuantizeWrapper):
+            continue
+        if layer.layer.name not in names:  # a layer TF-MOT's transforms made: no float twin to observe
+            continue
+        source = float_model.get_layer(layer.layer.name)
+        for kind in ("output", "post_activation"):
+            if f"{kind}_min" in found:
+                points.append((found[f"{kind}_min"], found[f"{kind}_max"], source.output, source.name))
+        if "pre_activation_min" in found:
+            pre = _linear_twin(source)(source.input)
+            points.append((found["pre_activation_min"], found["pre_activation_max"], pre, source.name))
+    return points
+
+
+def observe(float_model, points, x: np.ndarray, batch_size: int = 16, seed: int = 0) -> list[Observer]:
+    """One pass of the float model over ``x``: an Observer per point."""
+    probe = keras.Model(float_model.inputs, [tensor for _, _, tensor, _ in points])
+    rng = np.random.default_rng(seed)
+    observers = [Observer(rng) for _ in points]
+    for start in range(0, len(x), batch_size):
+        outputs = probe(x[start : start + batch_size], training=False)
+        outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        for observer, value in zip(observers, outputs):
+            observer.add(np.asarray(value))
+    return observers
+
+
+def initialize_ranges(
+    qat_model, float_model, x: np.ndarray, method: str = "mse", bits: int = 8, symmetric: bool = False
+) -> int:
+    """Set every activation fake-quant range of a freshly built ``qat_model`` from ``x``.
+
+    Returns how many ranges were set. Symmetric activations get [-m, m]. ``method`` is one
+    of edgeq.ranges.ACTIVATION_METHODS.
+    """
+    float_model, _ = replace_tf_ops(float_model)
+    points = activation_points(float_model, qat_model)
+    if not points:
+        return 0
+    for (low_var, high_var, _, _), observer in zip(points, observe(float_model, points, x)):
+        # 16-bit activations lose nothing to outliers worth clipping: keep every value
+        low, high = activation_range(observer.values(), method if bits <= 8 else "minmax", bits=bits)
+        if symmetric:
+            low, high = -max(-low, high), max(-low, high)
+        low_var.assign(low)
+        high_var.assign(high)
+    return len(points)
