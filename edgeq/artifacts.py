@@ -57,7 +57,9 @@ def atomic_path(final: str | os.PathLike, suffix: str | None = None) -> Iterator
     tmp_path.unlink()  # writers create it themselves; some refuse an existing file
     try:
         yield tmp_path
+        _fsync(tmp_path)  # the data is on disk before the name points at it
         os.replace(tmp_path, final)
+        _fsync(final.parent)  # and the rename itself survives a power cut
     finally:
         if tmp_path.exists():
             if tmp_path.is_dir():
@@ -66,6 +68,22 @@ def atomic_path(final: str | os.PathLike, suffix: str | None = None) -> Iterator
                 shutil.rmtree(tmp_path, ignore_errors=True)
             else:
                 tmp_path.unlink()
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file, or a directory entry (POSIX); a folder written by Keras is synced file by file."""
+    paths = [path] if not path.is_dir() else [*sorted(p for p in path.rglob("*") if p.is_file()), path]
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:  # e.g. a directory on Windows: nothing to sync there
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -50,23 +50,39 @@ class Calibrated:
         return seen
 
 
-def _channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> float:
+def _per_channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> np.ndarray:
+    """SQNR (dB, at most 100) of each output channel that carries a signal (one value: the whole vector)."""
     f = np.asarray(float_tensor, dtype=np.float64)
     q = (np.asarray(quant_tensor, dtype=np.float64) - zero_point) * scale
     f2 = f.reshape(-1, f.shape[-1]) if f.ndim > 1 else f.reshape(-1, 1)
     q2 = q.reshape(f2.shape)
     if f2.shape[0] < 2:  # one value per channel (Dense, pooled): the whole vector is the signal
         noise_all = float(np.sum((f2 - q2) ** 2))
-        return (
-            100.0 if noise_all == 0 else float(min(100.0, 10 * np.log10(max(float(np.sum(f2**2)), 1e-30) / noise_all)))
-        )
+        if noise_all == 0:
+            return np.array([100.0])
+        return np.array([min(100.0, 10 * np.log10(max(float(np.sum(f2**2)), 1e-30) / noise_all))])
     noise = np.sum((f2 - q2) ** 2, axis=0)
     signal = np.sum((f2 - f2.mean(axis=0)) ** 2, axis=0)  # what the channel carries, not its offset
     live = signal > 0
     if not np.any(live):
-        return 100.0
+        return np.array([100.0])
     per_channel = np.where(noise[live] > 0, 10 * np.log10(signal[live] / np.maximum(noise[live], 1e-30)), 100.0)
-    return float(np.median(np.minimum(per_channel, 100.0)))
+    return np.minimum(per_channel, 100.0)
+
+
+def _channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> float:
+    """The median SQNR over the op's output channels (what sensitivity ranks by)."""
+    return float(np.median(_per_channel_sqnr(float_tensor, quant_tensor, scale, zero_point)))
+
+
+def _mean_channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> float:
+    """The mean SQNR over the op's output channels."""
+    return float(np.mean(_per_channel_sqnr(float_tensor, quant_tensor, scale, zero_point)))
+
+
+def _worst_channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> float:
+    """The SQNR of the op's worst output channel: one crushed channel shows here, not in the mean."""
+    return float(np.min(_per_channel_sqnr(float_tensor, quant_tensor, scale, zero_point)))
 
 
 def _rmse_over_scale(float_tensor, quant_tensor, scale, zero_point) -> float:
@@ -95,7 +111,12 @@ def calibrate(keras_model, dataset: Dataset, samples: int = 200, per_tensor: boo
     if per_tensor:
         disable_per_channel(converter)
     options = tf.lite.experimental.QuantizationDebugOptions(
-        layer_direct_compare_metrics={"channel_sqnr_db": _channel_sqnr, "rmse_over_scale": _rmse_over_scale}
+        layer_direct_compare_metrics={
+            "channel_sqnr_db": _channel_sqnr,
+            "mean_channel_sqnr_db": _mean_channel_sqnr,
+            "worst_channel_sqnr_db": _worst_channel_sqnr,
+            "rmse_over_scale": _rmse_over_scale,
+        }
     )
     with native_output_silenced():
         debugger = tf.lite.experimental.QuantizationDebugger(

@@ -170,6 +170,7 @@ def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_q
         notes.append(f"calibration/verification data taken from the training run: {spec}")
     dataset = load_dataset(spec, input_shape=tuple(model_input_shape), labels_required=False)
     dataset.check_fits(tuple(model_input_shape), where=f"model {source_path}")
+    dataset.check_finite()
     return dataset, spec
 
 
@@ -384,7 +385,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
                 folded = keras.models.clone_model(keras_model)
                 folded.set_weights(keras_model.get_weights())
             keras_model = folded
-        shifts = correct_biases(keras_model, dataset.calibration_samples(calib_samples), granularity == "per-tensor")
+        keep = frozenset(_plan_float_layers(keras_model, plan)) if plan else frozenset()
+        x_bias = dataset.calibration_samples(calib_samples)
+        shifts = correct_biases(keras_model, x_bias, granularity == "per-tensor", keep)
         if shifts:
             worst = max(shifts, key=lambda s: s.max_abs_shift)
             notes.append(
@@ -467,12 +470,15 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         "notes": notes,
         "provenance": provenance(),
     }
-    # The model is moved into place only now that it passed; the manifest follows it.
-    write_bytes_atomic(out, flatbuffer)
+    # Written only now that it passed. The model comes last, so that a model on disk always
+    # has its manifest beside it (the Edge TPU compiler needs the model written first).
     if options.edgetpu:
+        write_bytes_atomic(out, flatbuffer)
         manifest["edgetpu"] = _edgetpu(out, flatbuffer, notes)
         manifest["notes"] = notes
     write_json_atomic(manifest_path(out), manifest)
+    if not options.edgetpu:
+        write_bytes_atomic(out, flatbuffer)
     return ConversionResult(
         path=out,
         manifest=manifest_path(out),
@@ -653,13 +659,21 @@ def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes:
     return quantized
 
 
+def _plan_resolved(keras_model, plan) -> dict:
+    from edgeq.train.layer_config import LayerConfig, LayerPrecision
+
+    return LayerConfig.load(plan).resolve([layer.name for layer in keras_model.layers], LayerPrecision())
+
+
+def _plan_float_layers(keras_model, plan) -> list[str]:
+    return [name for name, p in _plan_resolved(keras_model, plan).items() if p.keep_float]
+
+
 def _convert_with_plan(keras_model, plan, dataset, samples, granularity, notes) -> bytes:
     """Full integer except the layers the plan keeps float (denylisted at quantization)."""
     from edgeq.calibration import calibrate
-    from edgeq.train.layer_config import LayerConfig, LayerPrecision
 
-    names = [layer.name for layer in keras_model.layers]
-    resolved = LayerConfig.load(plan).resolve(names, LayerPrecision())
+    resolved = _plan_resolved(keras_model, plan)
     float_layers = [name for name, p in resolved.items() if p.keep_float]
     int4_layers = [name for name, p in resolved.items() if not p.keep_float and p.weight_bits == 4]
     if int4_layers:

@@ -116,6 +116,21 @@ class Dataset:
                 f"{tuple(expected)}: use data of that shape (e.g. synthetic:{_shape_str(expected)}:K)"
             )
 
+    def check_finite(self) -> None:
+        """Raise DataError naming the split and sample if any input holds NaN or infinity."""
+        for split in ("train", "val", "test"):
+            x = getattr(self, f"x_{split}")
+            if not len(x) or not np.issubdtype(x.dtype, np.floating):
+                continue
+            bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+            if bad.any():
+                first = int(np.argmax(bad))
+                raise DataError(
+                    f"data {self.source!r}: {int(bad.sum())} sample(s) of the {split} split hold NaN or infinity "
+                    f"(the first: sample {first} of that split): clean or drop them; quantization ranges and "
+                    "training need finite inputs"
+                )
+
 
 def _shape_str(shape: tuple) -> str:
     return "x".join(str(d if d is not None else 32) for d in shape)

@@ -51,6 +51,20 @@ def test_empty_dataset(cli, digits_run, tmp_path):
     assert_one_line_error(cli("convert", digits_run.fp32_model, "--int8-only", "--calib", f"npz:{empty}"), "empty")
 
 
+def test_nan_in_the_data_is_named_not_a_dtype_mismatch(cli, digits_run, tmp_path):
+    x = np.random.default_rng(0).uniform(0, 1, size=(60, 8, 8, 1)).astype(np.float32)
+    x[7, 2, 3, 0] = np.nan
+    bad = tmp_path / "nan.npz"
+    np.savez(bad, x=x, y=np.arange(60) % 10)
+    out = tmp_path / "nan.tflite"
+    result = cli("convert", digits_run.fp32_model, "--int8-only", "--calib", f"npz:{bad}", "--out", out)
+    assert_one_line_error(result, "NaN or infinity", "split")
+    assert not out.exists()
+    result = cli("train", digits_run.fp32_model, "--data", f"npz:{bad}", "--out", tmp_path / "t")
+    assert_one_line_error(result, "NaN or infinity")
+    assert _listing(tmp_path / "t") == []
+
+
 def test_wrong_number_of_classes(cli, digits_run, tmp_path):
     result = cli("train", digits_run.fp32_model, "--data", "synthetic:8x8x1:4", "--out", tmp_path / "t")
     assert_one_line_error(result, "4 classes", "outputs 10")

@@ -1,6 +1,7 @@
 """Property tests of the precision engine (numpy only)."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -84,3 +85,75 @@ def test_stochastic_rounding_is_seeded():
     spec = QuantSpec(bits=4, rounding="stochastic")
     assert np.array_equal(fake_quantize(x, spec, seed=3), fake_quantize(x, spec, seed=3))
     assert not np.array_equal(fake_quantize(x, spec, seed=3), fake_quantize(x, spec, seed=4))
+
+
+def test_int4_weight_copy_of_a_depthwise_conv_is_per_channel():
+    """Each of the (C, multiplier) channels gets its own 4-bit scale, not one per multiplier column."""
+    import edgeq.compat  # noqa: F401  (the Keras flavour first)
+    from edgeq.compat import keras
+    from edgeq.transforms.int4 import int4_weight_copy
+
+    inputs = keras.Input((6, 6, 4))
+    model = keras.Model(inputs, keras.layers.DepthwiseConv2D(3, name="dw")(inputs))
+    kernel = np.random.default_rng(0).normal(0, 1, size=(3, 3, 4, 1)).astype("float32")
+    kernel[..., 0, 0] *= 100.0  # one channel far larger than the others
+    model.get_layer("dw").set_weights([kernel, np.zeros(4, "float32")])
+    copy = int4_weight_copy(model, ["dw"]).get_layer("dw").get_weights()[0]
+    for c in range(4):
+        levels = np.unique(np.round(copy[..., c, 0] / (np.abs(kernel[..., c, 0]).max() / 7)))
+        assert len(levels) >= 5, c  # per tensor, the small channels would all collapse to 0
+
+
+def test_sensitivity_reports_the_mean_channel_sqnr_and_the_worst_channel():
+    from edgeq.calibration import _channel_sqnr, _mean_channel_sqnr, _worst_channel_sqnr
+
+    rng = np.random.default_rng(0)
+    f = rng.normal(0, 1, size=(256, 4))
+    noise = np.array([0.001, 0.01, 0.1, 1.0])  # per-channel SQNR about 60, 40, 20 and 0 dB
+    q = f + rng.normal(0, 1, size=f.shape) * noise
+    per_channel = [
+        10 * np.log10(np.sum((f[:, c] - f[:, c].mean()) ** 2) / np.sum((f[:, c] - q[:, c]) ** 2)) for c in range(4)
+    ]
+    assert _mean_channel_sqnr(f, q, 1.0, 0.0) == pytest.approx(np.mean(per_channel))
+    assert _channel_sqnr(f, q, 1.0, 0.0) == pytest.approx(np.median(per_channel))  # the ranking, documented so
+    assert _worst_channel_sqnr(f, q, 1.0, 0.0) == pytest.approx(min(per_channel)) and min(per_channel) < 2.0
+
+
+def test_bias_correction_leaves_the_layers_a_plan_keeps_float():
+    import edgeq.compat  # noqa: F401  (the Keras flavour first)
+    from edgeq.compat import keras
+    from edgeq.transforms.bias_correction import correct_biases
+
+    inputs = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    outputs = keras.layers.Dense(3, name="head")(keras.layers.Flatten()(x))
+    model = keras.Model(inputs, outputs)
+    before = {name: model.get_layer(name).get_weights()[1].copy() for name in ("conv", "head")}
+    x = np.random.default_rng(0).uniform(0.5, 1.0, size=(32, 6, 6, 2)).astype("float32")
+    shifts = correct_biases(model, x, per_tensor=True, keep=frozenset({"head"}))
+    assert [s.layer for s in shifts] == ["conv"]
+    np.testing.assert_array_equal(model.get_layer("head").get_weights()[1], before["head"])
+    assert np.any(model.get_layer("conv").get_weights()[1] != before["conv"])
+
+
+def test_bn_folding_leaves_a_shared_layer_alone_and_folds_the_rest():
+    import edgeq.compat  # noqa: F401  (the Keras flavour first)
+    from edgeq.compat import keras
+    from edgeq.transforms.fold import fold_batchnorm
+
+    L = keras.layers
+    a, b = keras.Input((6, 6, 2)), keras.Input((6, 6, 2))
+    shared = L.Conv2D(2, 3, padding="same", name="shared")
+    twice = L.BatchNormalization(name="bn_twice")  # one BN applied to two tensors
+    x, y = twice(shared(a)), twice(shared(b))
+    z = L.BatchNormalization(name="bn_own")(L.Conv2D(2, 3, padding="same", name="own")(a))
+    model = keras.Model([a, b], L.Add()([x, y, z]))
+    rng = np.random.default_rng(0)
+    for bn in ("bn_twice", "bn_own"):
+        layer = model.get_layer(bn)
+        layer.set_weights([rng.uniform(0.5, 2, 2), rng.normal(0, 1, 2), rng.normal(0, 1, 2), rng.uniform(0.5, 2, 2)])
+    folded = fold_batchnorm(model)  # used to raise a bare ValueError on the shared conv
+    names = [la.name for la in folded.layers]
+    assert "bn_own" not in names and "bn_twice" in names
+    inputs = [rng.normal(0, 1, size=(4, 6, 6, 2)).astype("float32") for _ in range(2)]
+    np.testing.assert_allclose(folded.predict(inputs, verbose=0), model.predict(inputs, verbose=0), atol=1e-5)

@@ -1,8 +1,8 @@
 """Per-layer quantization sensitivity, two ways, from one calibration.
 
 fast:  one pass of TFLite's QuantizationDebugger: each quantized op against its float
-       twin on the same inputs (MSE, RMSE/scale, max abs error, and the mean SQNR of the
-       op's output channels, which catches a layer whose small channels are crushed by
+       twin on the same inputs (MSE, RMSE/scale, max abs error, and the median (ranked by),
+       mean and worst SQNR of the op's output channels, which catches a layer whose small channels are crushed by
        one large one even when the whole-tensor error looks small).
 exact: for each layer, the model quantized everywhere but there, and quantized only
        there; accuracy and output MSE against FP32 on real data.
@@ -34,7 +34,9 @@ class FastSensitivity:
     mean_squared_error: float
     rmse_over_scale: float
     max_abs_error: float
-    channel_sqnr_db: float
+    channel_sqnr_db: float  # median over the op's output channels: the ranking
+    mean_channel_sqnr_db: float
+    worst_channel_sqnr_db: float
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ def fast_sensitivity(cal: Calibrated) -> list[FastSensitivity]:
             float(metrics["rmse_over_scale"]),
             float(metrics["max_abs_error"]),
             float(metrics["channel_sqnr_db"]),
+            float(metrics["mean_channel_sqnr_db"]),
+            float(metrics["worst_channel_sqnr_db"]),
         )
         # A layer with several quantized ops is as sensitive as its worst op.
         if layer not in by_layer or entry.channel_sqnr_db < by_layer[layer].channel_sqnr_db:
@@ -206,7 +210,7 @@ def save_bar_chart(report: SensitivityReport, path) -> None:
     if report.exact:
         values, xlabel = [r.gain_pp for r in rows], "accuracy regained by keeping the layer float (pp)"
     else:
-        values, xlabel = [-r.channel_sqnr_db for r in rows], "-(mean channel SQNR, dB): higher is more sensitive"
+        values, xlabel = [-r.channel_sqnr_db for r in rows], "-(median channel SQNR, dB): higher is more sensitive"
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
     ax.barh(labels[::-1], values[::-1], color="#c0504d")
     ax.set_xlabel(xlabel)

@@ -129,11 +129,13 @@ def sensitivity(model, data, method, calib_samples, split, granularity, json_pat
         click.echo(f"\nfast (QuantizationDebugger, {report.seconds_fast:.1f} s): lowest channel SQNR first")
         click.echo(
             table(
-                ["layer", "channel SQNR dB", "MSE", "RMSE/scale", "max abs err"],
+                ["layer", "channel SQNR dB (median)", "mean", "worst channel", "MSE", "RMSE/scale", "max abs err"],
                 [
                     (
                         f.layer,
                         f"{f.channel_sqnr_db:.1f}",
+                        f"{f.mean_channel_sqnr_db:.1f}",
+                        f"{f.worst_channel_sqnr_db:.1f}",
                         f"{f.mean_squared_error:.3g}",
                         f"{f.rmse_over_scale:.3g}",
                         f"{f.max_abs_error:.3g}",

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
+import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -41,6 +44,7 @@ from edgeq.train.layer_config import LayerConfig, LayerPrecision
 from edgeq.train.observe import initialize_ranges
 from edgeq.train.schedule import Stage, make_schedule
 from edgeq.transforms.fold import fold_batchnorm
+from edgeq.transforms.tfops import replace_tf_ops
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class TrainConfig:
     schedule: str = "default"
     layer_config: str | None = None
     fold_bn: bool | None = None  # None: fold when per-tensor (the converter's fold is wrong there)
-    init_ranges: str = "mse"  # QAT's activation ranges start from calibration by this method; "tfmot": [-6, 6]
+    init_ranges: str = "tfmot"  # QAT's activation ranges: TF-MOT's [-6, 6] start, or calibration by a method
     model_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
@@ -122,6 +126,18 @@ def _compile(model, learning_rate: float, clip_norm=None, clip_value=None) -> No
     model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
 
 
+def _pause_for_a_test(epochs_done: int) -> None:
+    """EDGEQ_TEST_PAUSE_AFTER_EPOCH=N: after epoch N's checkpoint, say so on stderr and wait for a signal.
+
+    The Ctrl-C test interrupts training at a known point this way, instead of polling the
+    checkpoint on a timer that a loaded machine can lose.
+    """
+    wanted = os.environ.get("EDGEQ_TEST_PAUSE_AFTER_EPOCH")
+    if wanted and int(wanted) == epochs_done and hasattr(signal, "pause"):
+        print(f"edgeq: paused after epoch {epochs_done}", file=sys.stderr, flush=True)
+        signal.pause()  # SIGINT raises KeyboardInterrupt here, as it would mid-epoch
+
+
 class _EpochRecorder(keras.callbacks.Callback):
     """Records each epoch and writes the checkpoint, so a crash loses at most one epoch."""
 
@@ -140,6 +156,7 @@ class _EpochRecorder(keras.callbacks.Callback):
         record = {"epoch": epoch + 1, "seconds": round(time.perf_counter() - self._start, 3), **logs}
         self.run.history[self.stage_index]["epochs"].append(record)
         self.run.save_checkpoint(self.model, self.stage_index, epoch + 1)
+        _pause_for_a_test(epoch + 1)
         if self.bar is not None:
             self.bar.set_postfix_str(
                 f"{self.run.stages[self.stage_index].name} acc={logs.get('accuracy', 0):.3f} "
@@ -222,6 +239,7 @@ def _resolve(config: TrainConfig):
                 f"{config.model} cannot be built for data {data_source!r} of shape {dataset.input_shape}: "
                 f"{str(exc).splitlines()[0]}"
             ) from exc
+    dataset.check_finite()
     outputs = int(model.output_shape[-1])
     if outputs != dataset.num_classes:
         raise DataError(
@@ -284,6 +302,16 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         default = LayerPrecision(config.weight_bits, config.activation_bits)
         resolved = LayerConfig.load(config.layer_config).resolve(layer_names, default)
         layer_plan = {name: p for name, p in resolved.items() if p != default}
+        mixed = sorted(
+            n for n, p in layer_plan.items() if not p.keep_float and p.activation_bits != config.activation_bits
+        )
+        if mixed:
+            raise UsageError(
+                f"{config.layer_config}: activation bits differ per layer ({', '.join(mixed[:6])}"
+                f"{' ...' if len(mixed) > 6 else ''}), which no TFLite conversion can deploy (16-bit activations "
+                "are a whole-model mode, 16x8): set activation bits for the whole model with --activation-bits, "
+                "and per layer only weight bits or float"
+            )
     settings = schemes.QuantSettings(
         config.weight_bits, config.activation_bits, config.granularity, config.activations, layer_plan
     )
@@ -332,6 +360,13 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
             initial_epoch = start_epoch if index == start_stage else 0
             if initial_epoch == 0:
                 run.save_stage_start(float_model, index)
+            if stage.kind == "qat" and initial_epoch == 0:
+                # The layers edgeq rewrites before wrapping (TF ops, SeparableConv2D) are
+                # rewritten in the float model too, so QAT's weights map back onto it.
+                rewritten, _ = replace_tf_ops(float_model)
+                if rewritten is not float_model:
+                    float_model = rewritten
+                    run.save_stage_start(float_model, index)
             if stage.kind == "qat" and fold_bn and initial_epoch == 0 and not folded:
                 float_model = fold_batchnorm(float_model)
                 folded = True

@@ -117,11 +117,15 @@ def initialize_ranges(
     points = activation_points(float_model, qat_model)
     if not points:
         return 0
+    done = 0
     for (low_var, high_var, _, _), observer in zip(points, observe(float_model, points, x)):
+        if not (np.isfinite(observer.low) and np.isfinite(observer.high)) or observer.high - observer.low < 1e-6:
+            continue  # a dead or exploding tensor: TF-MOT's start is the safer one
         # 16-bit activations lose nothing to outliers worth clipping: keep every value
         low, high = activation_range(observer.values(), method if bits <= 8 else "minmax", bits=bits)
         if symmetric:
             low, high = -max(-low, high), max(-low, high)
         low_var.assign(low)
         high_var.assign(high)
-    return len(points)
+        done += 1
+    return done

@@ -34,11 +34,21 @@ def _quantized(kernel: np.ndarray, kind: str, per_tensor: bool) -> np.ndarray:
     return fake_quantize(kernel, spec)
 
 
-def correct_biases(model, x_calibration: np.ndarray, per_tensor: bool = False) -> list[BiasShift]:
-    """Shift the bias of every Conv/Depthwise/Dense layer (that has one) in place."""
+def correct_biases(
+    model, x_calibration: np.ndarray, per_tensor: bool = False, keep: frozenset[str] = frozenset()
+) -> list[BiasShift]:
+    """Shift the bias of every Conv/Depthwise/Dense layer (that has one) in place.
+
+    Layers named in ``keep`` stay float after conversion (a layer-wise plan): their weights
+    are not quantized, so their biases are left alone.
+    """
     from edgeq.compat import keras
 
-    layers = [la for la in model.layers if type(la).__name__ in _KINDS and getattr(la, "use_bias", False)]
+    layers = [
+        la
+        for la in model.layers
+        if type(la).__name__ in _KINDS and getattr(la, "use_bias", False) and la.name not in keep
+    ]
     if not layers:
         return []
     probe = keras.Model(model.inputs, [la.input for la in layers])

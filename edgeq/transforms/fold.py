@@ -28,8 +28,8 @@ def foldable_pairs(model) -> dict[str, str]:
     """{bn layer name: producer layer name} for every BN that can be folded."""
     pairs = {}
     for layer in model.layers:
-        if type(layer).__name__ != "BatchNormalization":
-            continue
+        if type(layer).__name__ != "BatchNormalization" or len(layer._inbound_nodes) != 1:  # noqa: SLF001
+            continue  # a BN applied twice has one set of statistics for two inputs: left as it is
         node = _inbound(layer)
         producers = node.inbound_layers if isinstance(node.inbound_layers, list) else [node.inbound_layers]
         if len(producers) != 1:
@@ -38,6 +38,8 @@ def foldable_pairs(model) -> dict[str, str]:
         axis = list(np.atleast_1d(layer.axis))
         rank = len(layer.input_shape)
         if type(producer).__name__ not in _FOLDABLE or axis not in ([-1], [rank - 1]):
+            continue
+        if len(producer._inbound_nodes) != 1:  # noqa: SLF001 - a shared conv: its other uses have no BN
             continue
         if len(producer._outbound_nodes) != 1 or getattr(producer, "activation", None) not in (  # noqa: SLF001
             None,

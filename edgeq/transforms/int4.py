@@ -14,6 +14,11 @@ def int4_weight_copy(model, layers: list[str]):
     for name in layers:
         layer = clone.get_layer(name)
         weights = layer.get_weights()
-        weights[0] = fake_quantize(weights[0], spec).astype(weights[0].dtype)
+        kernel = weights[0]
+        if type(layer).__name__ == "DepthwiseConv2D":  # (kh, kw, C, multiplier): a channel is (C, m)
+            flat = kernel.reshape(*kernel.shape[:2], -1)
+            weights[0] = fake_quantize(flat, spec).reshape(kernel.shape).astype(kernel.dtype)
+        else:  # Conv2D (kh, kw, in, out) and Dense (in, out): a channel is an output
+            weights[0] = fake_quantize(kernel, spec).astype(kernel.dtype)
         layer.set_weights(weights)
     return clone

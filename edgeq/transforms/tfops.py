@@ -7,6 +7,10 @@ affine map of one tensor becomes ``Rescaling(scale, offset)``; each one that com
 two tensors becomes ``Add``/``Subtract``/``Multiply``; ``relu6`` becomes ``ReLU(6)``. The
 outputs are the same to float rounding. Other TF ops are left as they are (the QAT dry
 run then names them).
+
+``SeparableConv2D`` (NASNet, Xception) becomes ``DepthwiseConv2D`` (NAME_depthwise) and a
+1x1 ``Conv2D`` (NAME_pointwise) with the same weights: TF-MOT does this split itself, but
+under generated names, so QAT's trained weights could not find their way back.
 """
 
 from __future__ import annotations
@@ -69,16 +73,51 @@ def _replacement(layer, node, args, kwargs):
     return None, None
 
 
-def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
-    """A copy of ``model`` with its TF op layers made built-in layers where they can be.
+def _split_separable(layer, args, pending: list):
+    config = layer.get_config()
+    name = layer.name
+    depthwise = keras.layers.DepthwiseConv2D(
+        kernel_size=config["kernel_size"],
+        strides=config["strides"],
+        padding=config["padding"],
+        depth_multiplier=config["depth_multiplier"],
+        data_format=config["data_format"],
+        dilation_rate=config["dilation_rate"],
+        use_bias=False,
+        name=f"{name}_depthwise",
+    )
+    pointwise = keras.layers.Conv2D(
+        config["filters"],
+        1,
+        data_format=config["data_format"],
+        activation=config["activation"],
+        use_bias=config["use_bias"],
+        name=f"{name}_pointwise",
+    )
+    out = pointwise(depthwise(args[0]))
+    weights = layer.get_weights()  # depthwise kernel, pointwise kernel[, bias]
+    pending += [(depthwise, weights[:1]), (pointwise, weights[1:])]
+    return out
 
-    Returns the model itself (and no rewrites) when it has no TFOpLambda layer.
+
+_REWRITTEN = ("TFOpLambda", "SeparableConv2D")
+
+
+def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
+    """A copy of ``model`` with its TF op layers made built-in layers where they can be,
+    and its SeparableConv2D layers split in two.
+
+    Returns the model itself (and no rewrites) when there is nothing to rewrite.
     """
-    if not any(type(layer).__name__ == "TFOpLambda" for layer in model.layers):
+    if not any(type(layer).__name__ in _REWRITTEN for layer in model.layers):
         return model, []
     done: list[Rewritten] = []
+    pending: list = []
 
     def rewrite(layer, node, args, kwargs):
+        if type(layer).__name__ == "SeparableConv2D":
+            done.append(Rewritten(layer.name, "SeparableConv2D", "DepthwiseConv2D+Conv2D"))
+            return _split_separable(layer, args, pending)
         if type(layer).__name__ != "TFOpLambda":
             return None
         new_layer, inputs = _replacement(layer, node, args, kwargs)
@@ -91,4 +130,6 @@ def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
     if not done:
         return model, []
     copy_weights(model, clones)
+    for new_layer, weights in pending:
+        new_layer.set_weights(weights)
     return rebuilt, done
