@@ -1,6 +1,6 @@
 """Registry of reference Keras architectures and their recipes (``models/*.toml``).
 
-Builders are Keras 2 (tf_keras) functional models made only of layers TF-MOT can
+Builders are Keras 2 (tf_keras) functional models by default (Keras 3 on request) made only of layers TF-MOT can
 quantize: convolutions without bias before BatchNormalization, ReLU/ReLU6 layers, Add.
 """
 
@@ -41,15 +41,16 @@ class Recipe:
 BN_MOMENTUM = 0.9
 
 
-def _layers():
-    from edgeq.compat import keras
+def _layers(keras_module=None):
+    """The Keras that builds: tf_keras by default, or the module given (``keras`` for Keras 3)."""
+    if keras_module is None:
+        from edgeq.compat import keras as keras_module
+    return keras_module, keras_module.layers
 
-    return keras, keras.layers
 
-
-def digits_cnn(input_shape=(8, 8, 1), num_classes=10, width: int = 32):
+def digits_cnn(input_shape=(8, 8, 1), num_classes=10, width: int = 32, keras_module=None):
     """Conv-BN-ReLU x3 for 8x8 digits; BN folds into the convolutions on conversion."""
-    keras, L = _layers()
+    keras, L = _layers(keras_module)
     inputs = L.Input(input_shape, name="input")
     h = inputs
     for i, channels in enumerate((width, 2 * width, 2 * width)):
@@ -63,17 +64,17 @@ def digits_cnn(input_shape=(8, 8, 1), num_classes=10, width: int = 32):
     return keras.Model(inputs, outputs, name="digits_cnn")
 
 
-def mobilenetv2(input_shape=(96, 96, 3), num_classes=10, alpha: float = 0.35):
+def mobilenetv2(input_shape=(96, 96, 3), num_classes=10, alpha: float = 0.35, keras_module=None):
     """MobileNetV2 from tf_keras.applications, random weights (nothing is downloaded)."""
-    keras, _ = _layers()
+    keras, _ = _layers(keras_module)
     return keras.applications.MobileNetV2(
         input_shape=tuple(input_shape), alpha=alpha, weights=None, classes=num_classes, include_top=True
     )
 
 
-def ds_cnn(input_shape=(49, 10, 1), num_classes=12, filters: int = 64):
+def ds_cnn(input_shape=(49, 10, 1), num_classes=12, filters: int = 64, keras_module=None):
     """Keyword spotting DS-CNN (MLPerf Tiny KWS shape): 49x10 MFCC in, 12 classes out."""
-    keras, L = _layers()
+    keras, L = _layers(keras_module)
     inputs = L.Input(input_shape, name="input")
     h = L.Conv2D(filters, (10, 4), strides=(2, 2), padding="same", use_bias=False, name="conv1")(inputs)
     h = L.BatchNormalization(momentum=BN_MOMENTUM, name="bn1")(h)
@@ -91,9 +92,9 @@ def ds_cnn(input_shape=(49, 10, 1), num_classes=12, filters: int = 64):
     return keras.Model(inputs, outputs, name="ds_cnn")
 
 
-def resnet8(input_shape=(32, 32, 3), num_classes=10):
+def resnet8(input_shape=(32, 32, 3), num_classes=10, keras_module=None):
     """ResNet-8 (MLPerf Tiny image classification shape): three residual stacks."""
-    keras, L = _layers()
+    keras, L = _layers(keras_module)
     inputs = L.Input(input_shape, name="input")
     h = L.Conv2D(16, 3, padding="same", use_bias=False, name="conv1")(inputs)
     h = L.BatchNormalization(momentum=BN_MOMENTUM, name="bn1")(h)
@@ -150,7 +151,11 @@ def load_recipe(name: str) -> Recipe:
 
 
 def build(name: str, input_shape: tuple | None = None, num_classes: int | None = None, **options):
-    """Build reference architecture ``name`` for the given input shape and classes."""
+    """Build reference architecture ``name`` for the given input shape and classes.
+
+    ``keras_module=keras`` builds it with Keras 3 instead of tf_keras (what a user of
+    ``pip install tensorflow`` would write); edgeq takes either.
+    """
     if name not in ARCHITECTURES:
         raise UsageError(f"unknown architecture {name!r}; choose one of: {', '.join(sorted(ARCHITECTURES))}")
     kwargs = dict(options)

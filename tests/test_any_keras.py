@@ -13,7 +13,7 @@ import pytest
 
 from edgeq.compat import keras as tf_keras
 from edgeq.compat import tf
-from edgeq.keras3 import KERAS3, keras_flavour_of_file
+from edgeq.keras3 import KERAS3, is_keras3_model, keras_flavour_of_file
 from tests.test_keras3 import ARCHITECTURES  # the issue's table, translated there, QAT-trained here
 from edgeq.transforms.tfops import replace_tf_ops
 from tests.conftest import assert_one_line_error
@@ -205,6 +205,40 @@ def test_keras3_architecture_qat_int8_only_passes_verification(tmp_path, arch):
     path = tmp_path / f"{arch}.keras"
     getattr(keras.applications, arch)(weights=None, input_shape=(32, 32, 3), classes=10).save(path)
     data = "synthetic:32x32x3:10:96"
+    run = train(
+        TrainConfig(model=str(path), data=data, out_dir=str(tmp_path / "run"), epochs=0, qat_epochs=1, batch_size=16)
+    )
+    result = convert(run.qat_model, tmp_path / f"{arch}_int8.tflite", ConvertOptions(mode="int8-only", calib=data))
+    assert result.verification.integer_only and result.verification.passed, result.verification
+
+
+# The issue's table, last rows: the zoo's four models written in Keras 3 by their user.
+ZOO_KERAS3 = [
+    pytest.param("digits-cnn", (8, 8, 1), "digits", id="digits-cnn"),
+    pytest.param("mobilenetv2", (32, 32, 3), "synthetic:32x32x3:10:96", id="mobilenetv2", marks=pytest.mark.slow),
+    pytest.param("ds-cnn", (49, 10, 1), "synthetic:49x10x1:12:96", id="ds-cnn", marks=pytest.mark.slow),
+    pytest.param("resnet8", (32, 32, 3), "synthetic:32x32x3:10:96", id="resnet8", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("arch, shape, data", ZOO_KERAS3)
+def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, arch, shape, data):
+    """Keras 3 zoo model: translation within 1e-5, 1-epoch QAT, integer-only int8 that passes verification."""
+    from edgeq import zoo
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.keras3 import to_tf_keras
+    from edgeq.train.fit import TrainConfig, train
+    from tests.test_keras3 import assert_same_model, randomize_statistics
+
+    classes = 12 if arch == "ds-cnn" else 10
+    model = zoo.build(arch, shape, classes, keras_module=keras)
+    assert is_keras3_model(model)
+    randomize_statistics(model)
+    assert_same_model(model, to_tf_keras(model), shape)
+
+    path = tmp_path / f"{arch}.keras"
+    model.save(path)
+    assert keras_flavour_of_file(path) == KERAS3
     run = train(
         TrainConfig(model=str(path), data=data, out_dir=str(tmp_path / "run"), epochs=0, qat_epochs=1, batch_size=16)
     )
