@@ -9,6 +9,7 @@ converts with it.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -17,9 +18,16 @@ import numpy as np
 from edgeq.compat import tf
 from edgeq.data import Dataset
 from edgeq.errors import UsageError
+from edgeq.ranges import ACTIVATION_METHODS, activation_range
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.shims.litert import ops_details
-from edgeq.shims.tflite import disable_per_channel, native_output_silenced, quantize_calibrated
+from edgeq.shims.tflite import (
+    disable_per_channel,
+    native_output_silenced,
+    quantize_calibrated,
+    tensor_ranges,
+    with_tensor_ranges,
+)
 
 
 @dataclass
@@ -32,6 +40,7 @@ class Calibrated:
     nodes: list[str]  # quantized ops' output tensor names, graph order
     layer_of: dict[str, str]  # node -> Keras layer name (or the node itself)
     debugger: object = field(repr=False, default=None)
+    ranges: str = "minmax"  # how the activation ranges were set (edgeq.ranges), minmax: the converter's
 
     def quantize(self, float_nodes: Iterable[str] = ()) -> bytes:
         """Full-integer model (float I/O) with ``float_nodes`` left in float."""
@@ -99,9 +108,42 @@ def layer_name_for(node: str, layer_names: list[str]) -> str:
     return node.split(";")[0]
 
 
-def calibrate(keras_model, dataset: Dataset, samples: int = 200, per_tensor: bool = False) -> Calibrated:
+def recalibrated(calibrated: bytes, x: np.ndarray, method: str, seed: int = 0) -> bytes:
+    """``calibrated`` with each activation range re-chosen by ``method`` from its values on ``x``.
+
+    The converter's calibration records min/max on every tensor it will quantize; edgeq
+    runs the calibrated (float) model on the same samples, observes those tensors and
+    replaces each min/max by the range ``method`` picks (edgeq.ranges). Quantizing the
+    result then uses edgeq's ranges, with any set of layers left float.
+    """
+    from edgeq.train.observe import Observer
+
+    recorded = tensor_ranges(calibrated)
+    with warnings.catch_warnings():  # tf.lite.Interpreter's deprecation; preserve_all_tensors is meant here
+        warnings.simplefilter("ignore")
+        interpreter = tf.lite.Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True)
+    interpreter.allocate_tensors()
+    (inp,) = interpreter.get_input_details()
+    rng = np.random.default_rng(seed)
+    observers = {index: Observer(rng) for index in recorded}
+    for i in range(len(x)):
+        interpreter.set_tensor(inp["index"], x[i : i + 1].astype(inp["dtype"]))
+        interpreter.invoke()
+        for index, observer in observers.items():
+            observer.add(interpreter.get_tensor(index))
+    return with_tensor_ranges(
+        calibrated, {index: activation_range(observer.values(), method) for index, observer in observers.items()}
+    )
+
+
+def calibrate(
+    keras_model, dataset: Dataset, samples: int = 200, per_tensor: bool = False, ranges: str = "minmax"
+) -> Calibrated:
+    """Calibrate ``keras_model`` on ``samples`` training samples; activation ranges by ``ranges``."""
     if len(dataset.x_train) == 0:
         raise UsageError(f"data {dataset.source!r} has no samples to calibrate with")
+    if ranges not in ACTIVATION_METHODS:
+        raise UsageError(f"activation ranges must be one of {', '.join(ACTIVATION_METHODS)}, got {ranges!r}")
     converter = tf.lite.TFLiteConverter.from_keras_model(keras_model)
     with native_output_silenced():
         float_model = converter.convert()
@@ -124,6 +166,12 @@ def calibrate(keras_model, dataset: Dataset, samples: int = 200, per_tensor: boo
             debug_dataset=dataset.representative_dataset(min(samples, 64), seed=2),
             debug_options=options,
         )
+    if ranges != "minmax":
+        debugger.calibrated_model = recalibrated(
+            debugger.calibrated_model, dataset.calibration_samples(samples), ranges
+        )
+        with native_output_silenced():
+            debugger.options = options  # its debug model is re-quantized from the new ranges
     # Nodes are named as denylisted_nodes wants them: the output tensors of the
     # calibrated model's ops, in graph order.
     graph = TFLiteModel(model_content=debugger.calibrated_model, use_default_delegates=False, verify=False)
@@ -137,7 +185,7 @@ def calibrate(keras_model, dataset: Dataset, samples: int = 200, per_tensor: boo
         nodes.append(node)
         guess = layer_name_for(node, layer_names)
         layer_of[node] = guess if guess != node.split(";")[0] or "/" in node else f"{op['op_name'].lower()}:{node}"
-    return Calibrated(float_model, debugger.calibrated_model, per_tensor, nodes, layer_of, debugger)
+    return Calibrated(float_model, debugger.calibrated_model, per_tensor, nodes, layer_of, debugger, ranges)
 
 
 def predict(model_bytes: bytes, x: np.ndarray) -> np.ndarray:

@@ -331,3 +331,24 @@ def test_int4_plan_feeds_qat_which_exports_packed_int4_exactly_there(cli, digits
 
     tfl = convert(out / "qat.h5", tmp_path / "mixed.tflite", ConvertOptions(mode="int8-only"))
     assert tensors_by_dtype(read_tflite(tfl.path)).get("int4", 0) == len(int4_layers)
+
+
+def test_analyze_weights_reports_the_error_of_each_rounding(cli, digits_run, tmp_path):
+    """nearest has the least weight error; AdaRound the least output error; stochastic is worse at both."""
+    out = tmp_path / "w.json"
+    result = cli(
+        "analyze", "weights", digits_run.fp32_model, "--data", "digits", "--calib-samples", "32", "--json", out
+    )
+    assert result.exit_code == 0, result.output
+    assert "adaround" in result.output
+    layers = json.loads(out.read_text())["rounding"]["layers"]
+    by = {}
+    for e in layers:
+        by.setdefault(e["layer"], {})[e["method"]] = e
+    assert set(by) == {"conv1", "conv2", "conv3", "logits"}
+    for name, m in by.items():
+        assert m["nearest"]["weight_mse"] <= min(m["stochastic"]["weight_mse"], m["adaround"]["weight_mse"]), name
+        assert m["adaround"]["output_mse"] <= m["nearest"]["output_mse"], name
+        assert m["stochastic"]["output_mse"] > m["nearest"]["output_mse"], name
+        assert m["nearest"]["flipped"] == 0.0 and m["stochastic"]["flipped"] > 0
+    assert any(m["adaround"]["output_mse"] < 0.9 * m["nearest"]["output_mse"] for m in by.values())

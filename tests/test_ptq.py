@@ -274,3 +274,53 @@ def test_qat_starts_from_calibrated_activation_ranges_not_tfmots_default():
     for (low, high, _, layer), seen in zip(points, probe.predict(data, verbose=0)):
         assert float(high.numpy()) == pytest.approx(max(float(seen.max()), 0.0), rel=1e-5), layer
         assert float(low.numpy()) == pytest.approx(min(float(seen.min()), 0.0), rel=1e-5), layer
+
+
+def _hot_pixel_digits(samples=128):
+    """digits where one of the ``samples`` calibration samples has a hot pixel (the rest are in [0, 1])."""
+    from dataclasses import replace
+
+    from edgeq.data import load_dataset
+
+    d = load_dataset("digits")
+    x = d.x_train.copy()
+    first = int(np.sort(np.random.default_rng(0).choice(len(x), size=samples, replace=False))[0])
+    x[first, 4, 4, 0] = 40.0  # Dataset.calibration_samples(samples) draws this one
+    hot = replace(d, x_train=x)
+    assert hot.calibration_samples(samples).max() == 40.0
+    return hot
+
+
+def test_analyze_calibration_takes_edgeqs_range_methods(digits_run):
+    """sensitivity/plan quantize from one calibration: an entropy-ranged one beats min/max on an outlier."""
+    from edgeq.calibration import calibrate, predict
+    from edgeq.model_io import load_keras_model
+    from edgeq.shims.tflite import tensor_ranges
+
+    d = _hot_pixel_digits()
+    model = load_keras_model(digits_run.fp32_model)
+    minmax, mse = calibrate(model, d, 128), calibrate(model, d, 128, ranges="entropy")
+    assert mse.ranges == "entropy" and mse.nodes == minmax.nodes
+    input_range = {c.ranges: tensor_ranges(c.calibrated)[0] for c in (minmax, mse)}
+    assert input_range["minmax"][1] == pytest.approx(40.0) and input_range["entropy"][1] < 10.0, input_range
+    reference = predict(minmax.float_model, d.x_test)
+    sqnr = {c.ranges: _sqnr_vs(reference, predict(c.quantize(), d.x_test)) for c in (minmax, mse)}
+    assert sqnr["entropy"] > sqnr["minmax"] + 3.0, sqnr
+    # the debugger's per-layer statistics come from the same recalibrated model
+    mse.debugger.run()
+    assert mse.debugger.layer_statistics
+
+
+def test_plan_records_its_ranges_and_convert_plan_uses_them(cli, digits_run, tmp_path):
+    plan = tmp_path / "plan.json"
+    args = ("--data", "digits", "--max-drop", "5", "--out", plan, "--calib-samples", "64", "--ranges", "percentile")
+    result = cli("analyze", "plan", digits_run.fp32_model, *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(plan.read_text())["ranges"] == "percentile"
+    out = tmp_path / "planned.tflite"
+    args = ("--int8", "--plan", plan, "--calib", "digits", "--calib-samples", "64", "--out", out)
+    result = cli("convert", digits_run.fp32_model, *args)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(out.with_name("planned.manifest.json").read_text())
+    assert manifest["ptq"]["chosen"] == "percentile" and manifest["ptq"]["plan"] == str(plan)
+    assert any("percentile activation ranges" in n for n in manifest["notes"])

@@ -59,13 +59,14 @@ def make_plan(
     per_tensor: bool = False,
     progress=None,
     int4: bool = False,
+    ranges: str = "minmax",
 ) -> PlanResult:
     start = time.perf_counter()
     model, dataset = load_fp32_with_data(model_path, data, "plan from")
     x, y = dataset.split(split)
     if len(x) == 0:
         raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")
-    cal = calibrate(model, dataset, samples, per_tensor)
+    cal = calibrate(model, dataset, samples, per_tensor, ranges)
     if not cal.nodes:
         raise UsageError(f"{model_path}: the converter quantized no layer: there is nothing to plan")
     fp32_acc, int8_acc, ranked = exact_sensitivity(cal, x, y, progress)
@@ -97,7 +98,7 @@ def make_plan(
         accepted: list[str] = []
         for candidate in candidates:
             trial = [*accepted, candidate.layer]
-            trial_cal = calibrate(int4_weight_copy(model, trial), dataset, samples, per_tensor)
+            trial_cal = calibrate(int4_weight_copy(model, trial), dataset, samples, per_tensor, ranges)
             model_bytes = trial_cal.quantize(trial_cal.nodes_of_layers(best.float_layers))
             acc = float(np.mean(predict(model_bytes, x).argmax(-1) == y))
             point = PlanPoint(
@@ -126,6 +127,7 @@ def make_plan(
             "drop_pp": best.drop_pp,
             "size_bytes": best.size_bytes,
             "granularity": "per-tensor" if per_tensor else "per-channel",
+            "ranges": ranges,
             "layers": {
                 **{name: "float" for name in best.float_layers},
                 **{name: {"weight_bits": 4} for name in best.int4_layers},

@@ -62,6 +62,7 @@ class SensitivityReport:
     exact: tuple[ExactSensitivity, ...]
     seconds_fast: float
     seconds_exact: float
+    ranges: str = "minmax"  # activation range method (edgeq.ranges); minmax is the converter's own
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -164,10 +165,11 @@ def analyze_sensitivity(
     split: str = "test",
     per_tensor: bool = False,
     progress=None,
+    ranges: str = "minmax",
 ) -> SensitivityReport:
     model, dataset = load_fp32_with_data(model_path, data, "analyze")
     start = time.perf_counter()
-    cal = calibrate(model, dataset, samples, per_tensor)
+    cal = calibrate(model, dataset, samples, per_tensor, ranges)
     if not cal.nodes:
         raise UsageError(f"{model_path}: the converter quantized no layer: nothing to analyze")
     fast = fast_sensitivity(cal) if method in ("fast", "both") else []
@@ -194,6 +196,7 @@ def analyze_sensitivity(
         tuple(exact),
         round(seconds_fast, 3),
         round(time.perf_counter() - t1, 3),
+        ranges,
     )
 
 

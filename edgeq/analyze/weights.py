@@ -211,6 +211,69 @@ def analyze_weights(model_path: str | Path, seed: int = 0) -> list[WeightReport]
     return sorted(reports, key=lambda r: -r.kurtosis)
 
 
+@dataclass(frozen=True)
+class RoundingError:
+    """One layer's INT8 per-channel weights rounded one way, and what that costs."""
+
+    layer: str
+    method: str  # nearest | stochastic | adaround
+    weight_mse: float
+    output_mse: float  # the layer's output MSE vs its float kernel, on calibration inputs
+    flipped: float  # share of weights rounded the other way than nearest
+
+
+ROUNDINGS = ("nearest", "stochastic", "adaround")
+
+
+def rounding_errors(
+    model_path: str | Path, data: str, samples: int = 64, seed: int = 0, iterations: int = 300, progress=None
+) -> list[RoundingError]:
+    """Every Conv/DepthwiseConv/Dense kernel of a Keras model rounded to INT8 per channel by each
+    of ROUNDINGS; the weight error and the layer's output error on ``samples`` calibration inputs.
+
+    Weight error alone favours nearest by construction; AdaRound trades weight error for
+    output error, which is what the next layer sees.
+    """
+    from edgeq.analyze.sensitivity import load_fp32_with_data
+    from edgeq.compat import keras
+    from edgeq.numerics import weight_codes, weight_error
+    from edgeq.transforms.adaround import ADAROUND_LAYERS, adaround, kernel_name, kernel_scale, output_mse
+
+    if Path(model_path).suffix == ".tflite":
+        raise UsageError(f"{model_path}: rounding needs the float layers: give the Keras model, not the .tflite")
+    model, dataset = load_fp32_with_data(model_path, data, "analyze the rounding of")
+    x = dataset.calibration_samples(samples, seed)
+    layers = [la for la in model.layers if type(la).__name__ in ADAROUND_LAYERS]
+    results = []
+    for index, layer in enumerate(layers):
+        try:
+            probe = keras.Model(model.inputs, layer.input)
+        except (AttributeError, ValueError):  # a shared layer has no one input to learn its rounding on
+            continue
+        inputs = probe.predict(x, batch_size=32, verbose=0)
+        kernel = getattr(layer, kernel_name(layer)).numpy()
+        scale = kernel_scale(layer)
+        nearest = weight_codes(kernel, scale, "nearest")
+        codes = {
+            "nearest": nearest,
+            "stochastic": weight_codes(kernel, scale, "stochastic", seed=seed + index),
+            "adaround": adaround(layer, inputs, scale, iterations=iterations, seed=seed)[0],
+        }
+        for method, q in codes.items():
+            results.append(
+                RoundingError(
+                    layer.name,
+                    method,
+                    weight_error(kernel, scale, q),
+                    output_mse(layer, inputs, q, scale),
+                    float(np.mean(q != nearest)),
+                )
+            )
+        if progress:
+            progress(index + 1, len(layers))
+    return results
+
+
 def save_histograms(model_path: str | Path, out_dir: str | Path, bins: int = 80) -> list[Path]:
     """One PNG per layer: the weight histogram (log counts) with the INT8/INT4 grid extent."""
     import matplotlib

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from edgeq.commands.ui import table
+from edgeq.ranges import ACTIVATION_METHODS
 
 
 @click.group("analyze")
@@ -17,14 +18,23 @@ def analyze():
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every figure as JSON.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write one row per layer as CSV.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), help="Write a histogram PNG per layer here.")
-def weights(model, json_path, csv_path, plots_dir):
+@click.option(
+    "--data",
+    default=None,
+    help="Calibration data (digits | synthetic:... | npz:PATH | images:DIR): adds INT8 rounding by "
+    "nearest, stochastic and AdaRound, with each layer's output error on it.",
+)
+@click.option("--calib-samples", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of stochastic rounding and AdaRound.")
+def weights(model, json_path, csv_path, plots_dir, data, calib_samples, seed):
     """Per-layer weight statistics of MODEL (Keras or .tflite) and the error of each
     quantization choice: INT8/INT4, per-tensor/per-channel, symmetric/asymmetric,
-    nearest/stochastic rounding. Most outlier-heavy layer first."""
-    from edgeq.analyze.weights import analyze_weights, save_histograms
+    nearest/stochastic rounding (and AdaRound with --data). Most outlier-heavy layer first."""
+    from edgeq.analyze.weights import analyze_weights, rounding_errors, save_histograms
     from edgeq.artifacts import atomic_path, write_json_atomic
 
-    reports = analyze_weights(model)
+    reports = analyze_weights(model, seed)
+    rounding = rounding_errors(model, data, calib_samples, seed) if data else []
     rows = []
     for r in reports:
         rows.append(
@@ -62,8 +72,37 @@ def weights(model, json_path, csv_path, plots_dir):
             rows,
         )
     )
+    if rounding:
+        by_layer: dict[str, dict] = {}
+        for e in rounding:
+            by_layer.setdefault(e.layer, {})[e.method] = e
+        click.echo(f"\nINT8 per-channel rounding on {calib_samples} samples of {data} (seed {seed}): output MSE")
+        click.echo(
+            table(
+                ["layer", "nearest", "stochastic", "adaround", "adaround flipped", "adaround vs nearest"],
+                [
+                    (
+                        name,
+                        f"{m['nearest'].output_mse:.3g}",
+                        f"{m['stochastic'].output_mse:.3g}",
+                        f"{m['adaround'].output_mse:.3g}",
+                        f"{m['adaround'].flipped:.1%}",
+                        f"{m['adaround'].output_mse / m['nearest'].output_mse:.2f}x"
+                        if m["nearest"].output_mse > 0
+                        else "-",
+                    )
+                    for name, m in by_layer.items()
+                ],
+            )
+        )
     if json_path:
-        write_json_atomic(json_path, {"model": str(model), "layers": [r.to_dict() for r in reports]})
+        from dataclasses import asdict
+
+        document = {"model": str(model), "layers": [r.to_dict() for r in reports]}
+        if rounding:
+            document["rounding"] = {"data": data, "samples": calib_samples, "seed": seed}
+            document["rounding"]["layers"] = [asdict(e) for e in rounding]
+        write_json_atomic(json_path, document)
     if csv_path:
         import csv
 
@@ -116,15 +155,24 @@ def weights(model, json_path, csv_path, plots_dir):
 @click.option(
     "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
 )
+@click.option(
+    "--ranges",
+    type=click.Choice(list(ACTIVATION_METHODS)),
+    default="minmax",
+    show_default=True,
+    help="How activation ranges are set from the calibration data (minmax: the converter's own).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Bar chart PNG of the ranking.")
-def sensitivity(model, data, method, calib_samples, split, granularity, json_path, plot_path):
+def sensitivity(model, data, method, calib_samples, split, granularity, ranges, json_path, plot_path):
     """Rank the layers of FP32 MODEL by how much INT8 quantization of each one costs."""
     from edgeq.analyze.sensitivity import analyze_sensitivity, save_bar_chart
     from edgeq.artifacts import write_json_atomic
 
-    report = analyze_sensitivity(model, data, method, calib_samples, split, granularity == "per-tensor")
-    click.echo(f"{report.data}: FP32 {report.fp32_accuracy:.2%}, full INT8 {report.int8_accuracy:.2%}")
+    report = analyze_sensitivity(model, data, method, calib_samples, split, granularity == "per-tensor", ranges=ranges)
+    click.echo(
+        f"{report.data}: FP32 {report.fp32_accuracy:.2%}, full INT8 {report.int8_accuracy:.2%} ({ranges} ranges)"
+    )
     if report.fast:
         click.echo(f"\nfast (QuantizationDebugger, {report.seconds_fast:.1f} s): lowest channel SQNR first")
         click.echo(
@@ -185,15 +233,24 @@ def sensitivity(model, data, method, calib_samples, split, granularity, json_pat
     "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
 )
 @click.option("--int4", is_flag=True, help="Then INT4 weights on the least sensitive layers, within the budget.")
+@click.option(
+    "--ranges",
+    type=click.Choice(list(ACTIVATION_METHODS)),
+    default="minmax",
+    show_default=True,
+    help="How activation ranges are set from the calibration data (minmax: the converter's own).",
+)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Size/accuracy frontier PNG.")
-def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, plot_path):
+def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, ranges, plot_path):
     """Start from full INT8 and keep the most sensitive layers float until the accuracy
     drop is within --max-drop. The best plan is always saved; use it with
     `edgeq convert MODEL --int8 --plan PLAN` or `edgeq train --layer-config PLAN`."""
     from edgeq.analyze.plan import make_plan, save_frontier_chart
     from edgeq.errors import QualityGateError
 
-    result = make_plan(model, data, max_drop, out, calib_samples, split, granularity == "per-tensor", int4=int4)
+    result = make_plan(
+        model, data, max_drop, out, calib_samples, split, granularity == "per-tensor", int4=int4, ranges=ranges
+    )
     click.echo(
         f"{result.data}: FP32 {result.fp32_accuracy:.2%}, full INT8 {result.int8_accuracy:.2%}, budget {max_drop:g} pp"
     )

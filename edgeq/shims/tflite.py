@@ -66,3 +66,31 @@ def quantize_calibrated(calibrated: bytes, per_tensor: bool, denylisted_nodes: l
             fully_quantize=False,
             denylisted_nodes=denylisted_nodes or None,
         )
+
+
+def tensor_ranges(calibrated: bytes) -> dict[int, tuple[float, float]]:
+    """The calibration min/max that a calibrated (not yet quantized) flatbuffer records, by tensor index.
+
+    ``flatbuffer_utils`` is TensorFlow's private reader/writer of the TFLite schema.
+    """
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.convert_bytearray_to_object(bytearray(calibrated))
+    ranges = {}
+    for index, tensor in enumerate(model.subgraphs[0].tensors):
+        q = tensor.quantization
+        if q is not None and q.min is not None and q.max is not None and len(q.min) == 1 and len(q.max) == 1:
+            ranges[index] = (float(q.min[0]), float(q.max[0]))
+    return ranges
+
+
+def with_tensor_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]) -> bytes:
+    """A copy of a calibrated flatbuffer whose recorded min/max are ``ranges`` where given."""
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.convert_bytearray_to_object(bytearray(calibrated))
+    tensors = model.subgraphs[0].tensors
+    for index, (low, high) in ranges.items():
+        tensors[index].quantization.min = [float(low)]
+        tensors[index].quantization.max = [float(high)]
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model))

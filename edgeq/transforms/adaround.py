@@ -60,6 +60,28 @@ def _linear(layer):
     return f
 
 
+def output_mse(layer, inputs: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> float:
+    """MSE of ``layer``'s output on ``inputs`` with kernel ``codes * scale`` against its float kernel."""
+    f = _linear(layer)
+    x = tf.constant(inputs, dtype=tf.float32)
+    kernel = getattr(layer, kernel_name(layer))
+    reference = f(x, kernel).numpy()
+    quantized = f(x, tf.constant((codes * np.broadcast_to(scale, codes.shape)).astype(np.float32))).numpy()
+    return float(np.mean((quantized - reference) ** 2))
+
+
+def kernel_scale(layer, bits: int = 8) -> np.ndarray:
+    """Per-channel symmetric scale (min/max) of ``layer``'s kernel, shaped to broadcast on it."""
+    from edgeq.ranges import weight_ranges
+
+    kernel = getattr(layer, kernel_name(layer)).numpy()
+    levels = 2 ** (bits - 1) - 1
+    if type(layer).__name__ == "DepthwiseConv2D":  # (kh, kw, C, multiplier): one scale per output channel
+        m = weight_ranges(kernel.reshape(*kernel.shape[:2], -1), axis=-1)
+        return (m / levels).reshape(kernel.shape[2:])
+    return weight_ranges(kernel, axis=-1) / levels
+
+
 def _rectified_sigmoid(v):
     return tf.clip_by_value(tf.sigmoid(v) * (_ZETA - _GAMMA) + _GAMMA, 0.0, 1.0)
 
