@@ -7,6 +7,7 @@ Only then are the model and its manifest moved into place; a failure leaves no f
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -24,6 +25,7 @@ from edgeq.errors import ConversionError, DataError, IntegerOnlyError, UsageErro
 from edgeq.metrics import compare_outputs
 from edgeq.numerics import ROUNDINGS
 from edgeq.ranges import ACTIVATION_METHODS, WEIGHT_METHODS
+from edgeq.runtime.inputs import ROUNDING as INPUT_ROUNDING
 from edgeq.runtime.interpreter import TFLiteModel
 
 log = logging.getLogger(__name__)
@@ -168,7 +170,10 @@ def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_q
         return None, None
     if not calib:
         notes.append(f"calibration/verification data taken from the training run: {spec}")
-    dataset = load_dataset(spec, input_shape=tuple(model_input_shape), labels_required=False)
+    recorded = (record or {}).get("normalization")
+    normalization = Normalization.from_dict(recorded) if isinstance(recorded, dict) else None
+    # raw files in the units the model was trained in; float files checked against them
+    dataset = load_dataset(spec, tuple(model_input_shape), labels_required=False, normalization=normalization)
     dataset.check_fits(tuple(model_input_shape), where=f"model {source_path}")
     dataset.check_finite()
     return dataset, spec
@@ -411,7 +416,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     ptq_record = None
     try:
         if plan:
-            flatbuffer = _convert_with_plan(keras_model, plan, dataset, calib_samples, granularity, notes)
+            ranges = _plan_ranges(plan, options.ptq)
+            flatbuffer = _convert_with_plan(keras_model, plan, dataset, calib_samples, granularity, ranges, notes)
+            ptq_record = {"requested": options.ptq, "chosen": ranges, "plan": str(plan), "candidates": []}
         elif spec.backend == "aeq":
             flatbuffer = _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
         elif spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter":
@@ -435,7 +442,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     )
     op_counts = dict(Counter(op.op_name for op in tflite.ops()))
 
-    normalization = dataset.normalization if dataset is not None else Normalization()
+    normalization = dataset.normalization if dataset is not None else _normalization_of_run(source_path)
     manifest = {
         "kind": "edgeq.convert",
         "model": out.name,
@@ -446,6 +453,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         "input": asdict(tflite.input),
         "output": asdict(tflite.output),
         "normalization": normalization.to_dict(),
+        # the input contract (edgeq.runtime.inputs): float sample = raw * scale + offset; the model's
+        # integer input = clamp(round(float sample / input scale) + zero point), rounded like TFLite
+        "input_rounding": INPUT_ROUNDING,
         "num_classes": int(tflite.output.shape[-1]) if tflite.output.shape else None,
         "source": {
             "path": str(source_path) if source_path else None,
@@ -669,7 +679,31 @@ def _plan_float_layers(keras_model, plan) -> list[str]:
     return [name for name, p in _plan_resolved(keras_model, plan).items() if p.keep_float]
 
 
-def _convert_with_plan(keras_model, plan, dataset, samples, granularity, notes) -> bytes:
+def _normalization_of_run(source_path) -> Normalization:
+    """The normalisation the run that trained ``source_path`` recorded (none: identity)."""
+    from edgeq.model_io import run_record_for
+
+    record = run_record_for(source_path) if source_path else None
+    recorded = (record or {}).get("normalization")
+    return Normalization.from_dict(recorded) if isinstance(recorded, dict) else Normalization()
+
+
+def _plan_ranges(plan, ptq: str) -> str:
+    """Activation ranges for --plan: --ptq METHOD when given, else those the plan was measured with."""
+    from edgeq.ranges import ACTIVATION_METHODS
+
+    if ptq in ACTIVATION_METHODS:
+        return ptq
+    if ptq == "converter" or Path(plan).suffix != ".json":
+        return "minmax"
+    try:
+        recorded = json.loads(Path(plan).read_text()).get("ranges", "minmax")
+    except (OSError, ValueError, AttributeError):
+        return "minmax"  # LayerConfig.load names what is wrong with the file
+    return recorded if recorded in ACTIVATION_METHODS else "minmax"
+
+
+def _convert_with_plan(keras_model, plan, dataset, samples, granularity, ranges, notes) -> bytes:
     """Full integer except the layers the plan keeps float (denylisted at quantization)."""
     from edgeq.calibration import calibrate
 
@@ -684,11 +718,11 @@ def _convert_with_plan(keras_model, plan, dataset, samples, granularity, notes) 
             f"plan: {len(int4_layers)} layer(s) with INT4-valued weights ({', '.join(int4_layers)}); the TFLite "
             "converter stores them in int8 containers: for packed INT4, QAT with edgeq train --layer-config PLAN"
         )
-    cal = calibrate(keras_model, dataset, samples, per_tensor=granularity == "per-tensor")
+    cal = calibrate(keras_model, dataset, samples, per_tensor=granularity == "per-tensor", ranges=ranges)
     nodes = cal.nodes_of_layers(float_layers)
     notes.append(
         f"plan {plan}: {len(float_layers)} layer(s) kept float ({', '.join(float_layers) or 'none'}), "
-        f"{len(cal.nodes) - len(nodes)} of {len(cal.nodes)} ops integer"
+        f"{len(cal.nodes) - len(nodes)} of {len(cal.nodes)} ops integer, {ranges} activation ranges"
     )
     return cal.quantize(nodes)
 

@@ -19,24 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import DataError
+from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, float_samples
 
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train, val, test
 DEFAULT_CALIBRATION_SAMPLES = 200
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
-
-
-@dataclass(frozen=True)
-class Normalization:
-    """model_input = raw * scale + offset."""
-
-    scale: float = 1.0
-    offset: float = 0.0
-
-    def apply(self, raw: np.ndarray) -> np.ndarray:
-        return (np.asarray(raw, dtype=np.float32) * np.float32(self.scale) + np.float32(self.offset)).astype(np.float32)
-
-    def to_dict(self) -> dict:
-        return {"scale": self.scale, "offset": self.offset}
 
 
 @dataclass(frozen=True)
@@ -155,7 +142,8 @@ def stratified_split(x: np.ndarray, y: np.ndarray, seed: int = 0):
     return tuple(out)
 
 
-def _make(source, x, y, normalization, num_classes=None, class_names=(), seed=0) -> Dataset:
+def _make(source, x, y, normalization, num_classes=None, class_names=(), seed=0, normalized=False) -> Dataset:
+    """Split ``x`` (raw, or float samples already when ``normalized``) and ``y``; record ``normalization``."""
     if len(x) == 0:
         raise DataError(f"data {source!r} is empty: it has no samples")
     if len(x) != len(y):
@@ -163,7 +151,9 @@ def _make(source, x, y, normalization, num_classes=None, class_names=(), seed=0)
     y = np.asarray(y).astype(np.int64).reshape(-1)
     if np.any(y < 0):
         raise DataError(f"data {source!r}: labels must be class indices >= 0")
-    x_train, y_train, x_val, y_val, x_test, y_test = stratified_split(normalization.apply(x), y, seed)
+    x_train, y_train, x_val, y_val, x_test, y_test = stratified_split(
+        np.asarray(x, dtype=np.float32) if normalized else normalization.apply(x), y, seed
+    )
     if len(x_train) == 0 or len(x_test) == 0:
         raise DataError(f"data {source!r} has too few samples per class to split into train and test")
     k = int(num_classes if num_classes is not None else y.max() + 1)
@@ -177,7 +167,7 @@ def load_digits_dataset() -> Dataset:
         raise DataError('the digits dataset needs scikit-learn: pip install "edgeq[train]"') from exc
     bunch = load_digits()
     x = bunch.images.astype(np.float32)[..., None]  # (1797, 8, 8, 1), values 0..16
-    return _make("digits", x, bunch.target, Normalization(scale=1.0 / 16.0), num_classes=10)
+    return _make("digits", x, bunch.target, Normalization(scale=1.0 / 16.0, raw_max=16.0), num_classes=10)
 
 
 _SYNTH = re.compile(r"^synthetic:(\d+)x(\d+)x(\d+):(\d+)(?::(\d+))?$")
@@ -216,7 +206,12 @@ def _resize_nearest(img: np.ndarray, h: int, w: int) -> np.ndarray:
     return img[rows][:, cols]
 
 
-def load_npz(path: str | Path, labels_required: bool = True) -> Dataset:
+def load_npz(path: str | Path, labels_required: bool = True, normalization: Normalization | None = None) -> Dataset:
+    """x (and y) from an .npz, read by the input contract (edgeq.runtime.inputs).
+
+    ``normalization`` is the model's recorded one when the data is for a known model:
+    uint8 x is raw data it normalises, float x must lie in its float range.
+    """
     path = Path(path)
     source = f"npz:{path}"
     if not path.is_file():
@@ -224,6 +219,9 @@ def load_npz(path: str | Path, labels_required: bool = True) -> Dataset:
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
+        broken = sorted(key for key, value in arrays.items() if not isinstance(value, np.ndarray))
+        if broken:  # numpy hands back the raw bytes of a member whose .npy header it cannot read
+            raise ValueError(f"array(s) {', '.join(broken)} are not .npy data")
     except Exception as exc:  # numpy raises several types for a bad file
         raise DataError(
             f"{path}: not a readable .npz file ({type(exc).__name__}); save it with np.savez(x=..., y=...)"
@@ -247,17 +245,26 @@ def load_npz(path: str | Path, labels_required: bool = True) -> Dataset:
             else:
                 raise DataError(f"{path}: 'y' must hold integer class indices, got dtype {y.dtype}")
     if x.dtype == np.uint8:
-        normalization = Normalization(scale=1.0 / 255.0)
+        recorded = normalization if normalization is not None and normalization.raw_max is not None else UINT8_IMAGES
     elif np.issubdtype(x.dtype, np.number):
-        normalization = Normalization()
+        if np.issubdtype(x.dtype, np.integer):
+            x = x.astype(np.float32)  # integer class-like values other than uint8: taken as float samples
+        float_samples(x, normalization, str(path), check_finite=False)  # a range that is not the model's
+        recorded = normalization if normalization is not None else Normalization()  # already float samples
     else:
         raise DataError(f"{path}: 'x' must be numeric, got dtype {x.dtype}")
+    x = float_samples(x, recorded, str(path)) if x.dtype == np.uint8 else x  # raw beyond the model's raw range
     if x.ndim == 3:  # (N, H, W) grey images: add the channel axis
         x = x[..., None]
-    return _make(source, x, y, normalization)
+    return _make(source, x, y, recorded, normalized=True)
 
 
-def load_images(directory: str | Path, image_size: tuple[int, int] | None, channels: int = 3) -> Dataset:
+def load_images(
+    directory: str | Path,
+    image_size: tuple[int, int] | None,
+    channels: int = 3,
+    normalization: Normalization | None = None,
+) -> Dataset:
     directory = Path(directory)
     source = f"images:{directory}"
     if not directory.is_dir():
@@ -286,11 +293,21 @@ def load_images(directory: str | Path, image_size: tuple[int, int] | None, chann
             ys.append(label)
     if not xs:
         raise DataError(f"{directory}: the class folders hold no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return _make(source, np.stack(xs), np.asarray(ys), Normalization(scale=1.0 / 255.0), len(classes), classes)
+    recorded = normalization if normalization is not None and normalization.raw_max == 255 else UINT8_IMAGES
+    return _make(source, np.stack(xs), np.asarray(ys), recorded, len(classes), classes)
 
 
-def load_dataset(source: str, input_shape: tuple | None = None, labels_required: bool = True) -> Dataset:
-    """Resolve a source string to a Dataset. ``input_shape`` (H, W, C) sizes image folders."""
+def load_dataset(
+    source: str,
+    input_shape: tuple | None = None,
+    labels_required: bool = True,
+    normalization: Normalization | None = None,
+) -> Dataset:
+    """Resolve a source string to a Dataset. ``input_shape`` (H, W, C) sizes image folders.
+
+    ``normalization``: the model's recorded one, when the data feeds a known model (eval,
+    analyze of a converted run): raw files are read in its units and checked against it.
+    """
     source = str(source).strip()
     if not source:
         raise DataError("no data source given: use digits, synthetic:HxWxC:K, npz:PATH or images:DIR")
@@ -299,13 +316,13 @@ def load_dataset(source: str, input_shape: tuple | None = None, labels_required:
     if source.startswith("synthetic:"):
         return load_synthetic(source)
     if source.startswith("npz:"):
-        return load_npz(source[4:], labels_required)
+        return load_npz(source[4:], labels_required, normalization)
     if source.endswith(".npz"):
-        return load_npz(source, labels_required)
+        return load_npz(source, labels_required, normalization)
     if source.startswith("images:"):
         size = tuple(input_shape[:2]) if input_shape else None
         channels = int(input_shape[2]) if input_shape and len(input_shape) > 2 else 3
-        return load_images(source[7:], size, channels)
+        return load_images(source[7:], size, channels, normalization)
     raise DataError(f"unknown data source {source!r}: use digits, synthetic:HxWxC:K, npz:PATH or images:DIR")
 
 

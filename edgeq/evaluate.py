@@ -85,7 +85,10 @@ def evaluate(
 
     quantized = TFLiteModel(model)
     input_shape = tuple(quantized.input.shape[1:])
-    dataset = load_dataset(data, input_shape=input_shape)
+    from edgeq.runtime.inputs import normalization_beside
+
+    # raw files in the model's units (its manifest), float files checked against them
+    dataset = load_dataset(data, input_shape=input_shape, normalization=normalization_beside(model))
     dataset.check_fits(input_shape, where=f"model {model}")
     x, y = dataset.split(split)
     got = quantized.predict(x, batch_size=1)

@@ -24,6 +24,7 @@ from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe
 from edgeq.fleet.inventory import Device
 from edgeq.fleet.push import FileTransfer, push_files
 from edgeq.fleet.transport import Transport, confine, connect
+from edgeq.runtime.inputs import manifest_beside
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,9 @@ def profile_on(
 ) -> RemoteProfile:
     """Push the model (and --compare/--data files), run ``edgeq profile`` there, fetch the JSON."""
     files = [Path(model)] + [Path(p) for p in (options.compare, options.data) if p]
+    manifest = manifest_beside(model)
+    if options.data and manifest.is_file():
+        files.append(manifest)  # the device reads raw data by the normalisation it records
     on_event(device.name, "connecting")
     with connect(device) as transport:
         pushed = push_to_device(transport, files, on_event)
@@ -226,24 +230,31 @@ def profile_on(
 
 
 def quantized_inputs(model, data: str | Path, inputs: str = "x", limit: int | None = None) -> np.ndarray:
-    """The inputs of ``data`` in the model's input dtype, exactly as both sides will see them."""
-    from edgeq.runtime.interpreter import quantize
+    """The inputs of ``data`` in the model's input dtype, exactly as both sides will see them.
+
+    Read by the input contract (edgeq.runtime.inputs) with the normalisation of the
+    manifest beside the model: raw uint8, float samples, or int8 codes of an int8 input.
+    """
+    from edgeq.runtime.inputs import model_inputs, normalization_beside
 
     try:
-        with np.load(data) as npz:
+        with np.load(data, allow_pickle=False) as npz:
             if inputs not in npz:
                 raise DataError(f"{data}: no array {inputs!r} (it has {', '.join(npz.files)})")
             x = np.asarray(npz[inputs])
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{data}: cannot read it as .npz ({exc})") from exc
+    except DataError:
+        raise
+    except Exception as exc:  # numpy and zipfile raise many types (BadZipFile, zlib.error, ...) for a bad file
+        raise DataError(f"{data}: cannot read it as .npz ({type(exc).__name__}: {str(exc)[:120]})") from exc
     if limit:
         x = x[:limit]
     expected = tuple(model.input.shape[1:])
     if tuple(x.shape[1:]) != expected:
         raise DataError(f"{data}: inputs of shape {tuple(x.shape[1:])} do not fit the model input {expected}")
-    if x.dtype.kind == "f":
-        return quantize(x.astype(np.float32), model.input)
-    return x.astype(np.dtype(model.input.dtype))
+    info = model.input
+    return model_inputs(
+        x, info.dtype, info.scale, info.zero_point, normalization_beside(model.path) if model.path else None, str(data)
+    )
 
 
 def verify_on(

@@ -23,6 +23,7 @@ import numpy as np
 
 from edgeq.errors import ModelLoadError, RuntimeBackendError
 from edgeq.runtime.flatbuffer import EDGETPU_CUSTOM_OP, ModelDesc, verify_tflite
+from edgeq.runtime.inputs import dequantize_input, quantize_input
 from edgeq.shims.litert import ops_details
 
 log = logging.getLogger(__name__)
@@ -124,19 +125,16 @@ def _tensor_info(detail: dict) -> TensorInfo:
 
 
 def quantize(x: np.ndarray, info: TensorInfo) -> np.ndarray:
-    """Float -> the tensor's integer dtype with its scale and zero point."""
-    dtype = np.dtype(info.dtype)
+    """Float -> the tensor's integer dtype with its scale and zero point (edgeq.runtime.inputs: as TFLite rounds)."""
     if not info.quantized:
-        return np.asarray(x, dtype=dtype)
-    limits = np.iinfo(dtype)
-    q = np.round(np.asarray(x, dtype=np.float64) / info.scale + info.zero_point)
-    return np.clip(q, limits.min, limits.max).astype(dtype)
+        return np.asarray(x, dtype=np.dtype(info.dtype))
+    return quantize_input(x, info.dtype, info.scale, info.zero_point)
 
 
 def dequantize(q: np.ndarray, info: TensorInfo) -> np.ndarray:
     if not info.quantized:
         return np.asarray(q, dtype=np.float32)
-    return ((q.astype(np.float32) - info.zero_point) * info.scale).astype(np.float32)
+    return dequantize_input(q, info.scale, info.zero_point)
 
 
 @contextlib.contextmanager

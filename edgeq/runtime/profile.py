@@ -28,6 +28,7 @@ from edgeq.artifacts import sha256_bytes
 from edgeq.errors import DataError, ModelLoadError, UsageError
 from edgeq.metrics import compare_outputs
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
+from edgeq.runtime.inputs import Normalization, float_samples, model_inputs, normalization_beside
 from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, dequantize, quantize
 
 log = logging.getLogger(__name__)
@@ -284,12 +285,19 @@ class Dataset:
     info: DataInfo
 
 
-def load_npz(path: str | Path, model_input: TensorInfo, labels: str | None = None, inputs: str = "x") -> Dataset:
+def load_npz(
+    path: str | Path,
+    model_input: TensorInfo,
+    labels: str | None = None,
+    inputs: str = "x",
+    normalization: Normalization | None = None,
+) -> Dataset:
     """Load ``x`` (and labels) from an .npz and check that they fit ``model_input``.
 
-    ``x`` may be float (quantized with the model's parameters) or already in the
-    input's integer dtype. Labels are ``labels`` if given (then required), else ``y``
-    if present: class ids (N,) or one-hot (N, classes).
+    ``x`` is read by the input contract (edgeq.runtime.inputs): raw uint8 normalised as
+    ``normalization`` (the model's manifest) says, float samples checked against it, or
+    int8 codes of an int8 input. Labels are ``labels`` if given (then required), else
+    ``y`` if present: class ids (N,) or one-hot (N, classes).
     """
     path = Path(path)
     if not path.is_file():
@@ -298,8 +306,14 @@ def load_npz(path: str | Path, model_input: TensorInfo, labels: str | None = Non
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {key: npz[key] for key in npz.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
+        broken = sorted(key for key, value in arrays.items() if not isinstance(value, np.ndarray))
+        if broken:  # numpy hands back the raw bytes of a member whose .npy header it cannot read
+            raise ValueError(f"array(s) {', '.join(broken)} are not .npy data")
+    except Exception as exc:  # numpy and zipfile raise many types (BadZipFile, zlib.error, ...) for a bad file
+        raise DataError(
+            f"{path}: not a readable .npz file ({type(exc).__name__}: {' '.join(str(exc).split())[:120]}); "
+            "save it with np.savez(x=..., y=...)"
+        ) from exc
     if inputs not in arrays:
         raise DataError(f"{path}: no array {inputs!r} (it has {', '.join(sorted(arrays)) or 'none'})")
     x = arrays[inputs]
@@ -312,17 +326,11 @@ def load_npz(path: str | Path, model_input: TensorInfo, labels: str | None = Non
         )
     if len(x) == 0:
         raise DataError(f"{path}: {inputs} is empty")
-    if np.issubdtype(x.dtype, np.floating):
-        x = x.astype(np.float32)
-        if not np.all(np.isfinite(x)):
-            raise DataError(f"{path}: {inputs} holds NaN or infinite values")
-    elif x.dtype == np.dtype(model_input.dtype):
-        x = dequantize(x, model_input)  # already quantized: dequantize, predict re-quantizes exactly
-    else:
-        raise DataError(
-            f"{path}: {inputs} is {x.dtype}; give float32 in the model's float range "
-            f"or {model_input.dtype} already quantized for the model input"
-        )
+    if x.dtype == np.int8:  # the input's codes: dequantized here, predict quantizes them back exactly
+        codes = model_inputs(x, model_input.dtype, model_input.scale, model_input.zero_point, None, str(path))
+        x = dequantize(codes, model_input)
+    else:  # raw uint8 or float samples -> float samples (a --compare FP32 model gets these too)
+        x = float_samples(x, normalization, str(path))
 
     key = labels if labels is not None else ("y" if "y" in arrays else None)
     y = None
@@ -598,7 +606,7 @@ def profile_model(
         probe = TFLiteModel(model_path, runtime=runtime, num_threads=1, delegate=delegate or "xnnpack")
         if len(probe.inputs) != 1:
             raise UsageError(f"{model_path}: --data supports models with one input, this one has {len(probe.inputs)}")
-        dataset = load_npz(data, probe.input, labels=labels)
+        dataset = load_npz(data, probe.input, labels=labels, normalization=normalization_beside(model_path))
         del probe
     elif labels is not None:
         raise UsageError("--labels needs --data")

@@ -1,0 +1,163 @@
+"""One input contract: raw data -> float sample -> the model's input tensor.
+
+Every consumer of user data (training and calibration on the host, ``eval``, ``profile
+--data``, ``verify``, and the device side) goes through this module, so that one file
+means the same model inputs everywhere:
+
+- A **float sample** is what the FP32 model was trained on: ``raw * scale + offset``
+  (``Normalization``, recorded in ``run.json`` and in each conversion manifest).
+- **Raw data** in an ``.npz`` is ``uint8`` (image pixels, or any 8-bit raw values):
+  the recorded normalisation makes float samples of it.
+- **Float data** is taken as float samples already. When the normalisation says what
+  raw range it came from, float values far outside the float range it gives (0-255
+  pixels for a model trained on 0-1) are refused with the fix, not quantized wrongly.
+- **int8 data** for a model with an int8 input is that input's codes, used unchanged.
+- A float sample becomes the model's int8/uint8 input with the input tensor's scale and
+  zero point, rounded as LiteRT's own QUANTIZE op rounds with its default (optimized and
+  XNNPACK) kernels: to nearest, halves to even; clamped to the dtype. (Only LiteRT's
+  reference kernels round halves away from zero; tests/test_inputs.py checks both.)
+
+numpy only: this runs on devices without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq.errors import DataError
+
+ROUNDING = "nearest, halves to even"  # LiteRT's default QUANTIZE kernels (the reference kernel: away from zero)
+# Float data whose values reach this far beyond the recorded float range is taken as not normalised.
+RANGE_SLACK = 0.5
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """model_input = raw * scale + offset; raw values span [0, raw_max] when known."""
+
+    scale: float = 1.0
+    offset: float = 0.0
+    raw_max: float | None = None  # 255 for 8-bit images, 16 for scikit-learn digits; None: unknown
+
+    def apply(self, raw: np.ndarray) -> np.ndarray:
+        return (np.asarray(raw, dtype=np.float32) * np.float32(self.scale) + np.float32(self.offset)).astype(np.float32)
+
+    def float_range(self) -> tuple[float, float] | None:
+        """[lo, hi] of the float samples raw data in [0, raw_max] gives; None when the raw range is unknown."""
+        if self.raw_max is None:
+            return None
+        ends = (self.offset, self.offset + self.scale * self.raw_max)
+        return float(min(ends)), float(max(ends))
+
+    def to_dict(self) -> dict:
+        return {"scale": self.scale, "offset": self.offset, "raw_max": self.raw_max, "raw_dtype": "uint8"}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Normalization:
+        raw_max = d.get("raw_max")
+        return cls(float(d.get("scale", 1.0)), float(d.get("offset", 0.0)), None if raw_max is None else float(raw_max))
+
+
+UINT8_IMAGES = Normalization(scale=1.0 / 255.0, raw_max=255.0)
+
+
+def quantize_input(x: np.ndarray, dtype: str, scale: float, zero_point: int) -> np.ndarray:
+    """Float samples -> an integer input tensor's codes, as LiteRT's QUANTIZE computes them (float32)."""
+    target = np.dtype(dtype)
+    if not np.issubdtype(target, np.integer) or scale == 0.0:
+        return np.asarray(x, dtype=target)
+    limits = np.iinfo(target)
+    scaled = np.asarray(x, dtype=np.float32) / np.float32(scale)
+    q = np.rint(scaled).astype(np.int64) + int(zero_point)
+    return np.clip(q, limits.min, limits.max).astype(target)
+
+
+def dequantize_input(q: np.ndarray, scale: float, zero_point: int) -> np.ndarray:
+    return ((np.asarray(q).astype(np.float32) - np.float32(zero_point)) * np.float32(scale)).astype(np.float32)
+
+
+def float_samples(
+    x: np.ndarray, normalization: Normalization | None, where: str, check_finite: bool = True
+) -> np.ndarray:
+    """Float samples from raw uint8 or float data, checked against ``normalization``.
+
+    ``normalization`` is the model's recorded one (None: not known; uint8 is then taken as
+    8-bit images, 0-255 -> 0-1).
+    """
+    x = np.asarray(x)
+    if x.dtype == np.uint8:
+        norm = normalization if normalization is not None and normalization.raw_max is not None else UINT8_IMAGES
+        if norm.raw_max is not None and x.size and int(x.max()) > norm.raw_max:
+            raise DataError(
+                f"{where}: raw uint8 values reach {int(x.max())}, but the model's raw data spans "
+                f"[0, {norm.raw_max:g}] (normalisation raw * {norm.scale:g} + {norm.offset:g}); "
+                "give data in the units the model was trained on"
+            )
+        return norm.apply(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise DataError(
+            f"{where}: the inputs' dtype is {x.dtype}; give raw uint8 data, float samples (normalised as in training) "
+            "or, for a model with an int8 input, its int8 codes"
+        )
+    x = x.astype(np.float32)
+    finite = np.isfinite(x)
+    if check_finite and not np.all(finite):
+        bad = ~finite.reshape(len(x), -1).all(axis=1) if x.ndim > 1 else ~finite
+        raise DataError(
+            f"{where}: {int(bad.sum())} sample(s) hold NaN or infinity (the first: sample {int(np.argmax(bad))}): "
+            "clean or drop them"
+        )
+    expected = normalization.float_range() if normalization is not None else None
+    if expected is not None and np.any(finite):
+        lo, hi = expected
+        slack = RANGE_SLACK * (hi - lo)
+        got_lo, got_hi = float(x[finite].min()), float(x[finite].max())
+        if got_hi > hi + slack or got_lo < lo - slack:
+            raise DataError(
+                f"{where}: float inputs span [{got_lo:g}, {got_hi:g}], but the model was trained on "
+                f"[{lo:g}, {hi:g}] (raw * {normalization.scale:g} + {normalization.offset:g}); save raw data as "
+                f"uint8 (edgeq normalises it), or normalise the floats the same way"
+            )
+    return x
+
+
+def model_inputs(
+    x: np.ndarray, dtype: str, scale: float, zero_point: int, normalization: Normalization | None, where: str
+) -> np.ndarray:
+    """What the model's input tensor gets for data ``x``: codes for an integer input, floats for a float one."""
+    x = np.asarray(x)
+    if x.dtype == np.int8:
+        if np.dtype(dtype) != np.int8:
+            raise DataError(
+                f"{where}: int8 data are taken as the codes of an int8 model input, but this model takes {dtype}"
+            )
+        return x
+    return quantize_input(float_samples(x, normalization, where), dtype, scale, zero_point)
+
+
+def manifest_beside(model_path: str | Path) -> Path:
+    """Where ``edgeq convert`` writes the manifest of MODEL.tflite: MODEL.manifest.json."""
+    path = Path(model_path)
+    return path.with_name(f"{path.stem}.manifest.json")
+
+
+def normalization_beside(model_path: str | Path) -> Normalization | None:
+    """The normalisation the manifest beside ``model_path`` records; None without one."""
+    manifest = manifest_beside(model_path)
+    if not manifest.is_file():
+        return None
+    try:
+        recorded = json.loads(manifest.read_text(encoding="utf-8")).get("normalization")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DataError(f"{manifest}: not a readable edgeq manifest ({exc}); remove it or convert again") from exc
+    if not isinstance(recorded, dict):
+        return None
+    try:
+        return Normalization.from_dict(recorded)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{manifest}: bad normalization record {recorded!r}") from exc
