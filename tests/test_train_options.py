@@ -373,3 +373,112 @@ def test_16bit_activation_qat_converts_to_int16x8_through_its_fine_tuned_float_m
     d = load_dataset("digits")
     acc = float(np.mean(TFLiteModel(result.path).predict(d.x_test).argmax(1) == d.y_test))
     assert acc >= run.stages[-1].test_accuracy - 0.01
+
+
+def test_same_seed_gives_identical_weights_and_tflite(tmp_path):
+    """--seed N with op determinism: the same run twice writes the same fp32.keras weights and int8 bytes."""
+    import hashlib
+
+    runs, digests = [], []
+    for name in ("a", "b", "c"):
+        seed = 7 if name != "c" else 8
+        run = train(
+            TrainConfig(
+                model="digits-cnn", data="digits", out_dir=str(tmp_path / name), epochs=1, qat_epochs=1, seed=seed
+            )
+        )
+        out = convert(run.qat_model, tmp_path / f"{name}.tflite", ConvertOptions(mode="int8-only"))
+        runs.append(load_keras_model(run.fp32_model).get_weights())
+        digests.append(hashlib.sha256(out.path.read_bytes()).hexdigest())
+        assert json.loads((tmp_path / name / "run.json").read_text())["hyperparameters"]["seed"] == seed
+    assert all(np.array_equal(x, y) for x, y in zip(runs[0], runs[1]))
+    assert digests[0] == digests[1]
+    assert digests[2] != digests[0]  # another seed, another model: the test can tell
+
+
+def _progress_of(state_file):
+    """(stage, epochs done) that state.json records, or None before the first one."""
+    if not state_file.is_file():
+        return None
+    state = json.loads(state_file.read_text())  # never half-written: a kill leaves the old or the new file
+    return int(state["stage"]), int(state["epochs_done"])
+
+
+def test_sigkill_at_random_moments_then_resume_finishes_losing_at_most_one_epoch(tmp_path):
+    """SIGKILL anywhere (imports, an epoch, a checkpoint write, a stage change, the final files):
+    each --resume starts at or after the last epoch whose checkpoint completed, and the run ends
+    with every epoch trained once. A kill comes after a random number of checkpointed epochs
+    (read from the run's stderr, no timer) plus a random fraction of a second, so it lands
+    anywhere; what is asserted holds wherever it lands. 20 kills with EDGEQ_SLOW=1, 4 otherwise."""
+    import time
+
+    kills = 20 if os.environ.get("EDGEQ_SLOW") == "1" else 4
+    out, epoch_log = tmp_path / "run", tmp_path / "epochs.log"
+    cmd = [sys.executable, "-m", "edgeq", "train", "digits-cnn", "--data", "digits"]
+    cmd += ["--out", str(out)]  # the recipe: 25 FP32 epochs, 4 QAT epochs
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "EDGEQ_TEST_EPOCH_LOG": str(epoch_log)}
+    state_file = out / "checkpoint" / "state.json"
+    rng = np.random.default_rng(11)
+    landed = []
+    for _ in range(kills):
+        if (out / "run.json").is_file():
+            break
+        args = cmd + (["--resume"] if state_file.is_file() else ["--force"])
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        wait_for = int(rng.integers(0, 9))  # checkpointed epochs to let pass
+        seen = 0
+        while seen < wait_for:
+            line = proc.stderr.readline()
+            if not line:
+                break  # the run ended first
+            seen += "edgeq: checkpointed" in line
+        time.sleep(float(rng.uniform(0.0, 1.5)))  # where in the next epoch (or write) the kill lands
+        proc.kill()
+        proc.communicate()
+        assert proc.returncode in (0, -signal.SIGKILL)
+        completed = []
+        if epoch_log.is_file():
+            completed = [tuple(map(int, line.split())) for line in epoch_log.read_text().splitlines() if line]
+        progress = _progress_of(state_file)
+        landed.append((completed[-1] if completed else None, progress))
+        if completed and not (out / "run.json").is_file():
+            # every epoch whose checkpoint completed is there to resume from: only the one in flight is lost
+            assert progress is not None and progress >= completed[-1], (completed[-1], progress)
+    if not (out / "run.json").is_file():
+        args = cmd + (["--resume"] if state_file.is_file() else ["--force"])
+        finished = subprocess.run(args, capture_output=True, text=True, env=env)
+        assert finished.returncode == 0, finished.stderr
+    history = json.loads((out / "history.json").read_text())
+    assert [[e["epoch"] for e in s["epochs"]] for s in history["stages"]] == [list(range(1, 26)), [1, 2, 3, 4]]
+    run = json.loads((out / "run.json").read_text())
+    assert run["results"][-1]["test_accuracy"] >= 0.9, landed
+    assert not (out / "checkpoint").exists()
+    assert sum(1 for c, _ in landed if c is not None) >= min(2, kills)  # kills landed during training, not all before
+
+
+def test_resume_restores_the_optimizer_state(tmp_path):
+    """Adam's step count and moments come back from the checkpoint, not from zero."""
+    from edgeq import zoo
+    from edgeq.train.fit import _Run, restore_checkpoint
+    from edgeq.train.schedule import make_schedule
+
+    d = load_dataset("digits")
+    model = zoo.build("digits-cnn", d.input_shape, 10)
+    _compile(model, 1e-3)
+    model.fit(d.x_train[:256], d.y_train[:256], epochs=1, batch_size=32, verbose=0)
+    run = _Run(tmp_path, make_schedule("default", 2, 0, 8, 8), TrainConfig(model="digits-cnn", out_dir="x"))
+    run.save_checkpoint(model, 0, 1)
+    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+
+    fresh = zoo.build("digits-cnn", d.input_shape, 10)
+    _compile(fresh, 1e-3)
+    restore_checkpoint(fresh, tmp_path / "checkpoint", state)
+    fresh.optimizer.build(fresh.trainable_variables)  # slots are created, and restored, here
+    assert int(fresh.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) == 8
+    before, after = model.optimizer.variables, fresh.optimizer.variables
+    assert len(before) == len(after) > 2 * len(model.trainable_variables)  # iterations, and m and v per weight
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert any(np.any(b.numpy() != 0) for b in before[1:])  # the moments are not zeros that match trivially
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -139,7 +139,12 @@ def find_inventory(path: str | os.PathLike | None = None) -> Path:
 def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     """Read a TOML or YAML inventory and validate every device in it."""
     p = find_inventory(path)
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InventoryError(
+            f"{p}: not a text file (byte {exc.start} is not UTF-8); give a TOML or YAML inventory"
+        ) from exc
     if p.suffix.lower() in (".yml", ".yaml"):
         raw = _from_ansible(_load_yaml(text, p), p)
     else:
@@ -167,7 +172,7 @@ def _load_toml(text: str, path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise InventoryError(f"{path}: not valid TOML ({exc})") from exc
+        raise InventoryError(f"{path}: not valid TOML ({' '.join(str(exc).split())})") from exc
 
 
 def _from_toml(text: str, path: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -197,7 +202,10 @@ def _load_yaml(text: str, path: Path) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise InventoryError(f"{path}: not valid YAML ({exc})") from exc
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise InventoryError(f"{path}: not valid YAML: {' '.join(str(problem).split())}{where}") from exc
 
 
 _ANSIBLE_KEYS = {
@@ -220,19 +228,28 @@ def _from_ansible(data: Any, path: Path) -> list[tuple[str, dict[str, Any]]]:
         group = group or {}
         if not isinstance(group, dict):
             raise InventoryError(f"{path}: group {group_name!r} must be a mapping")
-        variables = {**inherited, **(group.get("vars") or {})}
-        for host, host_vars in (group.get("hosts") or {}).items():
+
+        def mapping(value: Any, what: str) -> dict:
+            value = value or {}
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise InventoryError(f"{path}: {what} must be a mapping of names to settings")
+            return value
+
+        variables = {**inherited, **mapping(group.get("vars"), f"vars of group {group_name!r}")}
+        for host, host_vars in mapping(group.get("hosts"), f"hosts of group {group_name!r}").items():
             merged = hosts.setdefault(host, {})
             for key, value in variables.items():
                 merged.setdefault(key, value)
-            merged.update(host_vars or {})
+            merged.update(mapping(host_vars, f"host {host!r}"))
             if group_name not in ("all", "ungrouped"):
                 tags.setdefault(host, [])
                 if group_name not in tags[host]:
                     tags[host].append(group_name)
-        for child, child_group in (group.get("children") or {}).items():
+        for child, child_group in mapping(group.get("children"), f"children of group {group_name!r}").items():
             walk(child, child_group, variables)
 
+    if not all(isinstance(k, str) for k in data):
+        raise InventoryError(f"{path}: expected an Ansible inventory (a mapping with 'all:')")
     groups = data if "all" not in data else {"all": data["all"]}
     for name, group in groups.items():
         walk(name, group, {})

@@ -6,7 +6,7 @@ Output folder::
     qat.h5          the QAT model (end of the last QAT stage); load with quantize_scope
     history.json    every stage, every epoch
     run.json        versions, options, data hash, results
-    checkpoint/     while running: state.json, stage_start.keras, stage.weights.h5
+    checkpoint/     while running: state.json, stageN_start.keras, stageN/ (weights + optimizer state)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_atomic
-from edgeq.compat import keras
+from edgeq.compat import keras, tf
 from edgeq.data import load_dataset
 from edgeq.errors import DataError, TrainingInterrupted, UsageError
 from edgeq.model_io import (
@@ -126,12 +126,21 @@ def _compile(model, learning_rate: float, clip_norm=None, clip_value=None) -> No
     model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
 
 
-def _pause_for_a_test(epochs_done: int) -> None:
-    """EDGEQ_TEST_PAUSE_AFTER_EPOCH=N: after epoch N's checkpoint, say so on stderr and wait for a signal.
+def _test_hooks(stage_index: int, epochs_done: int) -> None:
+    """What tests observe after an epoch's checkpoint is written (nothing unless they ask).
 
-    The Ctrl-C test interrupts training at a known point this way, instead of polling the
-    checkpoint on a timer that a loaded machine can lose.
+    EDGEQ_TEST_EPOCH_LOG=FILE: append "stage epoch" (fsynced) and say so on stderr, so a
+    kill test knows which epochs were complete. EDGEQ_TEST_PAUSE_AFTER_EPOCH=N: after epoch N, say so on stderr
+    and wait for a signal; the Ctrl-C test interrupts training at a known point this way,
+    instead of polling the checkpoint on a timer that a loaded machine can lose.
     """
+    log_file = os.environ.get("EDGEQ_TEST_EPOCH_LOG")
+    if log_file:
+        with open(log_file, "a") as fh:
+            fh.write(f"{stage_index} {epochs_done}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        print(f"edgeq: checkpointed stage {stage_index} epoch {epochs_done}", file=sys.stderr, flush=True)
     wanted = os.environ.get("EDGEQ_TEST_PAUSE_AFTER_EPOCH")
     if wanted and int(wanted) == epochs_done and hasattr(signal, "pause"):
         print(f"edgeq: paused after epoch {epochs_done}", file=sys.stderr, flush=True)
@@ -156,7 +165,7 @@ class _EpochRecorder(keras.callbacks.Callback):
         record = {"epoch": epoch + 1, "seconds": round(time.perf_counter() - self._start, 3), **logs}
         self.run.history[self.stage_index]["epochs"].append(record)
         self.run.save_checkpoint(self.model, self.stage_index, epoch + 1)
-        _pause_for_a_test(epoch + 1)
+        _test_hooks(self.stage_index, epoch + 1)
         if self.bar is not None:
             self.bar.set_postfix_str(
                 f"{self.run.stages[self.stage_index].name} acc={logs.get('accuracy', 0):.3f} "
@@ -172,33 +181,71 @@ class _Run:
         self.stages = stages
         self.config = config
         self.history: list[dict] = [{**s.to_dict(), "epochs": [], "final": None} for s in stages]
+        self._manager = None
 
     def save_checkpoint(self, model, stage_index: int, epochs_done: int) -> None:
+        """Weights and optimizer state (tf.train.CheckpointManager), then state.json that points at them.
+
+        The manager keeps the last two checkpoints, so the one state.json names exists at any
+        moment a crash can happen: before, during or after either write.
+        """
         self.ckpt.mkdir(parents=True, exist_ok=True)
-        with atomic_path(self.ckpt / "stage.weights.h5") as tmp:
-            model.save_weights(str(tmp))
+        if self._manager is None or self._manager[0] != (stage_index, id(model)):
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+            directory = self.ckpt / f"stage{stage_index}"
+            self._manager = ((stage_index, id(model)), tf.train.CheckpointManager(checkpoint, str(directory), 2))
+        saved = Path(self._manager[1].save(checkpoint_number=epochs_done))
+        _fsync_folder(saved.parent)
+        self._write_state(stage_index, epochs_done, str(saved.relative_to(self.ckpt)))
+        write_json_atomic(self.out_dir / "history.json", {"stages": self.history})
+
+    def save_stage_start(self, float_model, stage_index: int) -> None:
+        """The model a stage starts from; then state.json; then the earlier stages' files go."""
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+        with atomic_path(self.ckpt / stage_start_name(stage_index)) as tmp:
+            float_model.save(str(tmp))
+        self._write_state(stage_index, 0, None)
+        for old in range(stage_index):
+            shutil.rmtree(self.ckpt / f"stage{old}", ignore_errors=True)
+            (self.ckpt / stage_start_name(old)).unlink(missing_ok=True)
+        shutil.rmtree(self.ckpt / f"stage{stage_index}", ignore_errors=True)
+        self._manager = None
+
+    def _write_state(self, stage_index: int, epochs_done: int, checkpoint: str | None) -> None:
         write_json_atomic(
             self.ckpt / "state.json",
             {
                 "stage": stage_index,
                 "epochs_done": epochs_done,
+                "checkpoint": checkpoint,
                 "history": self.history,
                 "config": self.config.to_dict(),
             },
         )
-        write_json_atomic(self.out_dir / "history.json", {"stages": self.history})
 
-    def save_stage_start(self, float_model, stage_index: int) -> None:
-        self.ckpt.mkdir(parents=True, exist_ok=True)
-        with atomic_path(self.ckpt / "stage_start.keras") as tmp:
-            float_model.save(str(tmp))
-        weights = self.ckpt / "stage.weights.h5"
-        if weights.exists():
-            weights.unlink()
-        write_json_atomic(
-            self.ckpt / "state.json",
-            {"stage": stage_index, "epochs_done": 0, "history": self.history, "config": self.config.to_dict()},
-        )
+
+def stage_start_name(stage_index: int) -> str:
+    return f"stage{stage_index}_start.keras"
+
+
+def _fsync_folder(folder: Path) -> None:
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def restore_checkpoint(model, checkpoint_dir: Path, state: dict) -> None:
+    """Weights and optimizer state of ``state``'s checkpoint into compiled ``model``.
+
+    The optimizer's slots (Adam's moments) are created on its first step; the checkpoint
+    restores them then (deferred restoration), so training continues as if never stopped.
+    """
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    status = checkpoint.restore(str(checkpoint_dir / state["checkpoint"]))
+    status.assert_existing_objects_matched()
 
 
 def _resolve(config: TrainConfig):
@@ -252,6 +299,8 @@ def _resolve(config: TrainConfig):
         "batch_size": config.batch_size or (recipe.batch_size if recipe else 32),
         "learning_rate": config.learning_rate or (recipe.learning_rate if recipe else 1e-3),
         "qat_learning_rate": config.qat_learning_rate or (recipe.qat_learning_rate if recipe else 1e-4),
+        "seed": config.seed,
+        "op_determinism": True,
     }
     return model, dataset, hp, recipe, user_model
 
@@ -290,7 +339,9 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
 
     if config.weight_bits not in range(2, 9):
         raise UsageError(f"--weight-bits must be between 2 and 8, got {config.weight_bits}")
+    # --seed N and TensorFlow's deterministic kernels: the same command gives the same weights
     keras.utils.set_random_seed(config.seed)
+    tf.config.experimental.enable_op_determinism()
     model, dataset, hp, recipe, user_model = _resolve(config)
     stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], config.weight_bits, config.activation_bits)
     if not stages:
@@ -327,7 +378,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
     if state is not None:
         run.history = state["history"]
         start_stage, start_epoch = int(state["stage"]), int(state["epochs_done"])
-        model = load_user_model(out_dir / "checkpoint" / "stage_start.keras")
+        model = load_user_model(out_dir / "checkpoint" / stage_start_name(start_stage))
     elif force:
         for name in (FP32_NAME, QAT_NAME, QAT_FLOAT_NAME, "run.json", "history.json"):
             if (out_dir / name).exists():
@@ -348,7 +399,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         _save_fp32(model, user_model, out_dir / FP32_NAME)
     float_model = model
     fold_bn = config.fold_bn if config.fold_bn is not None else config.granularity == "per-tensor"
-    # A resumed run restarts from checkpoint/stage_start.keras, folded already if it was.
+    # A resumed run restarts from checkpoint/stageN_start.keras, folded already if it was.
     folded = state is not None and not any(type(la).__name__ == "BatchNormalization" for la in model.layers)
     qat_model = None
     initialized: dict[str, int] = {}  # stage -> activation ranges set from calibration
@@ -390,7 +441,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
                     )
                 _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value)
             if initial_epoch > 0:
-                stage_model.load_weights(str(out_dir / "checkpoint" / "stage.weights.h5"))
+                restore_checkpoint(stage_model, out_dir / "checkpoint", state)
             t0 = time.perf_counter()
             if initial_epoch < stage.epochs:
                 stage_model.fit(

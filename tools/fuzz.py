@@ -1,0 +1,278 @@
+"""Fuzz edgeq's readers of user files: mutated .tflite, .npz and inventory files.
+
+Each case mutates a valid seed file (bit flips, truncations, 32-bit offset/length fields set
+to edge values, float fields such as quantization scales set to NaN/inf/0/huge, small
+enum-like bytes such as op codes, duplicated or deleted chunks) and runs the readers a user
+reaches with it:
+
+- .tflite: ``edgeq inspect``'s reader, ``edgeq profile`` (one run), and eval's loader
+  (TFLiteModel plus one prediction);
+- .npz: ``profile --data``'s and training/eval's loaders;
+- inventory (TOML and Ansible YAML): ``edgeq devices``' loader.
+
+A reader may refuse a file only with an EdgeqError (what the CLI prints as one `error:`
+line). Any other exception is a traceback; a worker that dies by a signal is a crash. Cases
+run in worker subprocesses, each announcing a case before it runs it, so a crash names its
+case and the next worker goes on after it. Case i is reproducible: its mutation comes from
+``--seed`` and i.
+
+    python tools/fuzz.py --cases 5000             # the benchmark (BENCHMARKS.md)
+    python tools/fuzz.py --cases 300 --json r.json  # what the default suite runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+TFLITE_SEEDS = ("tiny_int8.tflite", "tiny_uint8.tflite", "tiny_fp32.tflite", "tiny_edgetpu.tflite")
+NPZ_SEED = "tiny_digits.npz"
+INVENTORY_SEEDS = {
+    "devices.toml": (
+        '[devices.pi]\nhost = "10.0.0.7"\nuser = "pi"\nport = 22\npython = "python3"\n'
+        'tags = ["arm64", "lab"]\n\n[devices.x86]\nhost = "127.0.0.1"\nport = 2222\n'
+    ),
+    "hosts.yml": (
+        "all:\n  hosts:\n    pi:\n      ansible_host: 10.0.0.7\n      ansible_user: pi\n"
+        "      ansible_port: 22\n    nuc:\n      ansible_host: 10.0.0.8\n"
+    ),
+}
+KINDS = ("tflite", "npz", "inventory")
+EDGE_INTS = (0, 1, 0xFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFF0)
+EDGE_FLOATS = (np.nan, np.inf, -np.inf, 0.0, -1.0, 1e38, 1e-45)
+
+
+def mutate(data: bytes, rng: np.random.Generator) -> bytes:
+    """One to three mutations of ``data``."""
+    b = bytearray(data)
+    for _ in range(int(rng.integers(1, 4))):
+        if not b:
+            break
+        kind = int(rng.integers(0, 7))
+        if kind == 0:  # bit flips
+            for _ in range(int(rng.integers(1, 9))):
+                i = int(rng.integers(0, len(b)))
+                b[i] ^= 1 << int(rng.integers(0, 8))
+        elif kind == 1:  # truncation
+            b = b[: int(rng.integers(0, len(b)))]
+        elif kind == 2 and len(b) >= 4:  # an offset / length / count field set to an edge value
+            i = int(rng.integers(0, len(b) // 4)) * 4
+            b[i : i + 4] = int(EDGE_INTS[int(rng.integers(0, len(EDGE_INTS)))]).to_bytes(4, "little")
+        elif kind == 3 and len(b) >= 4:  # a float field (scale, zero point, min/max) set to an edge value
+            i = int(rng.integers(0, len(b) // 4)) * 4
+            b[i : i + 4] = np.float32(EDGE_FLOATS[int(rng.integers(0, len(EDGE_FLOATS)))]).tobytes()
+        elif kind == 4:  # an enum-like byte (op code, tensor type, builtin options type)
+            b[int(rng.integers(0, len(b)))] = int(rng.integers(0, 256))
+        elif kind == 5:  # a chunk duplicated in place
+            i = int(rng.integers(0, len(b)))
+            j = min(len(b), i + int(rng.integers(1, 64)))
+            b[i:i] = b[i:j]
+        else:  # a chunk deleted
+            i = int(rng.integers(0, len(b)))
+            del b[i : i + int(rng.integers(1, 64))]
+    return bytes(b)
+
+
+def mutate_npz(data: bytes, rng: np.random.Generator) -> bytes:
+    """Half the cases: the zip's bytes; the other half: one member's .npy bytes (header: dtype,
+    shape, order; or the values), re-zipped with valid checksums so the reader gets past the zip."""
+    import io
+    import zipfile
+
+    if rng.integers(0, 2) == 0:
+        return mutate(data, rng)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    name = sorted(members)[int(rng.integers(0, len(members)))]
+    npy = bytearray(members[name])
+    if rng.integers(0, 2) == 0 and len(npy) > 10:  # the header, where dtype and shape are written
+        header_end = min(len(npy), 10 + int.from_bytes(npy[8:10], "little"))
+        i = int(rng.integers(10, max(11, header_end)))
+        npy[i] = int(rng.choice(list(b"0123456789(),'<>|fiubc ")))
+        members[name] = bytes(npy)
+    else:
+        members[name] = mutate(bytes(npy), rng)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for member, content in members.items():
+            z.writestr(member, content)
+    return out.getvalue()
+
+
+def _seed_files() -> dict[str, list[tuple[str, bytes]]]:
+    return {
+        "tflite": [(name, (DATA / name).read_bytes()) for name in TFLITE_SEEDS],
+        "npz": [(NPZ_SEED, (DATA / NPZ_SEED).read_bytes())],
+        "inventory": [(name, text.encode()) for name, text in INVENTORY_SEEDS.items()],
+    }
+
+
+def _targets(kind: str, path: Path):
+    """[(name, callable)] that read ``path`` as a user's command would."""
+    if kind == "tflite":
+        from edgeq.runtime.inspect import inspect_tflite, inspect_to_dict
+        from edgeq.runtime.interpreter import TFLiteModel
+        from edgeq.runtime.profile import profile_model
+
+        def eval_loader():
+            model = TFLiteModel(path)
+            shape = tuple(max(1, d) for d in model.input.shape[1:])
+            model.predict(np.zeros((1, *shape), np.float32))
+
+        return [
+            ("inspect", lambda: inspect_to_dict(inspect_tflite(path))),
+            ("profile", lambda: profile_model(path, runs=1, warmup=0, progress=False)),
+            ("eval-loader", eval_loader),
+        ]
+    if kind == "npz":
+        from edgeq.data import load_npz as training_npz
+        from edgeq.runtime.interpreter import TFLiteModel
+        from edgeq.runtime.profile import load_npz as profile_npz
+
+        model_input = TFLiteModel(DATA / "tiny_int8.tflite").input
+        return [
+            ("profile --data", lambda: profile_npz(path, model_input)),
+            ("train/eval data", lambda: training_npz(path)),
+        ]
+    from edgeq.fleet.inventory import load_inventory
+
+    return [("devices", lambda: load_inventory(path))]
+
+
+def worker(seed: int, start: int, end: int, kinds: tuple[str, ...]) -> None:
+    """Run cases [start, end); print CASE i before each, TRACEBACK lines for failures, DONE at the end."""
+    import logging
+    import traceback
+
+    logging.disable(logging.CRITICAL)
+    from edgeq.errors import EdgeqError
+
+    seeds = _seed_files()
+    with tempfile.TemporaryDirectory(prefix="edgeq-fuzz-") as tmp:
+        for i in range(start, end):
+            rng = np.random.default_rng([seed, i])
+            kind = kinds[i % len(kinds)]
+            name, data = seeds[kind][int(rng.integers(0, len(seeds[kind])))]
+            path = Path(tmp) / f"case{i}{Path(name).suffix}"
+            path.write_bytes(mutate_npz(data, rng) if kind == "npz" else mutate(data, rng))
+            print(f"CASE {i} {kind} {name}", flush=True)
+            for target, run in _targets(kind, path):
+                try:
+                    run()
+                    print(f"READ {i} {target}", flush=True)
+                except EdgeqError as exc:
+                    if "\n" in str(exc).strip():
+                        print(f"MULTILINE {i} {target} {str(exc)[:200]!r}", flush=True)
+                except Exception as exc:  # noqa: BLE001 - what the fuzzer is looking for
+                    where = traceback.extract_tb(exc.__traceback__)[-1]
+                    print(
+                        f"TRACEBACK {i} {target} {type(exc).__name__}: {str(exc)[:160]!r} "
+                        f"at {Path(where.filename).name}:{where.lineno}",
+                        flush=True,
+                    )
+            path.unlink()
+    print("DONE", flush=True)
+
+
+def fuzz(cases: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, per_worker: int = 500) -> dict:
+    """Run ``cases`` cases in worker subprocesses; count crashes (signal deaths) and tracebacks."""
+    started = time.perf_counter()
+    crashes, tracebacks, multiline, done, read = [], [], [], 0, 0
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
+    next_case = 0
+    while next_case < cases:
+        end = min(cases, next_case + per_worker)
+        argv = [sys.executable, __file__, "--worker", str(next_case), str(end), "--seed", str(seed)]
+        argv += ["--kinds", ",".join(kinds)]
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
+        last = None
+        for line in proc.stdout.splitlines():
+            if line.startswith("CASE "):
+                last = int(line.split()[1])
+                done = max(done, last + 1)
+            elif line.startswith("TRACEBACK "):
+                tracebacks.append(line)
+            elif line.startswith("MULTILINE "):
+                multiline.append(line)
+            elif line.startswith("READ "):
+                read += 1
+        if proc.returncode == 0 and proc.stdout.rstrip().endswith("DONE"):
+            next_case = end
+            continue
+        if last is None:
+            raise SystemExit(f"the fuzz worker failed before its first case: {proc.stderr[-2000:]}")
+        crashes.append(f"case {last}: worker exit {proc.returncode} {proc.stderr.strip()[-300:]!r}")
+        next_case = last + 1
+    return {
+        "cases": done,
+        "seed": seed,
+        "kinds": list(kinds),
+        "crashes": crashes,
+        "tracebacks": tracebacks,
+        "multiline_errors": multiline,
+        "reads_accepted": read,  # reader calls that took the mutated file (the rest refused it)
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def run() -> str:
+    """The BENCHMARKS.md section: 5,000 cases per kind of file."""
+    lines = [
+        "## Fuzzing the readers of user files",
+        "",
+        "`python tools/fuzz.py --cases N`: mutated copies of valid files (bit flips, truncations, 32-bit "
+        "offset/length fields and float fields such as quantization scales set to edge values, op-code bytes, "
+        "chunks duplicated or deleted), each read by every reader a command reaches with it, in worker "
+        "subprocesses. A refusal must be an edgeq error (one `error:` line); anything else is a traceback, a "
+        "signal death a crash.",
+        "",
+        "| files | readers | cases | crashes | tracebacks | multi-line errors | reads that took the file | seconds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    readers = {
+        "tflite": "inspect, profile, eval's loader",
+        "npz": "profile --data, train/eval data",
+        "inventory": "devices (TOML, Ansible YAML)",
+    }
+    for kind in KINDS:
+        r = fuzz(5000, seed=0, kinds=(kind,))
+        lines.append(
+            f"| .{kind} | {readers[kind]} | {r['cases']} | {len(r['crashes'])} | {len(r['tracebacks'])} | "
+            f"{len(r['multiline_errors'])} | {r['reads_accepted']} | {r['seconds']:.0f} |"
+        )
+        for line in (r["crashes"] + r["tracebacks"])[:5]:
+            lines.append(f"\n    {line}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--worker", nargs=2, type=int, metavar=("START", "END"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if args.worker:
+        worker(args.seed, args.worker[0], args.worker[1], kinds)
+        return
+    result = fuzz(args.cases, args.seed, kinds)
+    text = json.dumps(result, indent=2)
+    if args.json_path:
+        Path(args.json_path).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
