@@ -59,7 +59,7 @@ def atomic_path(final: str | os.PathLike, suffix: str | None = None) -> Iterator
         yield tmp_path
         _fsync(tmp_path)  # the data is on disk before the name points at it
         os.replace(tmp_path, final)
-        _fsync(final.parent)  # and the rename itself survives a power cut
+        _fsync_entries(final.parent)  # and the rename itself survives a power cut
     finally:
         if tmp_path.exists():
             if tmp_path.is_dir():
@@ -68,6 +68,29 @@ def atomic_path(final: str | os.PathLike, suffix: str | None = None) -> Iterator
                 shutil.rmtree(tmp_path, ignore_errors=True)
             else:
                 tmp_path.unlink()
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file, or a folder's own entries (POSIX: a rename in it survives a power cut)."""
+    path = Path(path)
+    if path.is_dir():
+        _fsync_entries(path)
+    else:
+        _fsync(path)
+
+
+def _fsync_entries(folder: Path) -> None:
+    """fsync the folder itself (its list of names), not the files in it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. a directory on Windows: nothing to sync there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _fsync(path: Path) -> None:

@@ -480,15 +480,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         "notes": notes,
         "provenance": provenance(),
     }
-    # Written only now that it passed. The model comes last, so that a model on disk always
-    # has its manifest beside it (the Edge TPU compiler needs the model written first).
-    if options.edgetpu:
-        write_bytes_atomic(out, flatbuffer)
-        manifest["edgetpu"] = _edgetpu(out, flatbuffer, notes)
-        manifest["notes"] = notes
-    write_json_atomic(manifest_path(out), manifest)
-    if not options.edgetpu:
-        write_bytes_atomic(out, flatbuffer)
+    _commit(out, flatbuffer, manifest, notes, options.edgetpu)
     return ConversionResult(
         path=out,
         manifest=manifest_path(out),
@@ -725,6 +717,43 @@ def _convert_with_plan(keras_model, plan, dataset, samples, granularity, ranges,
         f"{len(cal.nodes) - len(nodes)} of {len(cal.nodes)} ops integer, {ranges} activation ranges"
     )
     return cal.quantize(nodes)
+
+
+def _commit(out: Path, flatbuffer: bytes, manifest: dict, notes: list[str], edgetpu: bool) -> None:
+    """Write a verified conversion's files together: all of them, or none.
+
+    Everything (model, manifest, and with --edgetpu the compiler's model and log) is written
+    and fsynced in a hidden folder beside ``out`` first; a failure there (the compiler's
+    included) leaves nothing behind. Then each file is renamed into place, the model last:
+    a model on disk always has its companions beside it.
+    """
+    import os
+    import tempfile
+
+    from edgeq.artifacts import fsync_path
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as folder:
+        stage = Path(folder)
+        staged = stage / out.name
+        write_bytes_atomic(staged, flatbuffer)
+        if edgetpu:
+            report = _edgetpu(staged, flatbuffer, notes)
+            compiler = report.get("compiler")
+            if compiler:  # name the files where they will be, not where they were made
+                for key in ("output", "log"):
+                    if compiler.get(key):
+                        compiler[key] = str(out.parent / Path(compiler[key]).name)
+            manifest["edgetpu"] = report
+            manifest["notes"] = notes
+        write_json_atomic(stage / manifest_path(out).name, manifest)
+        companions = sorted(p for p in stage.iterdir() if p.name != out.name and not p.name.startswith("."))
+        for path in companions:
+            fsync_path(path)
+        for path in companions:
+            os.replace(path, out.parent / path.name)
+        os.replace(staged, out)
+        fsync_path(out.parent)
 
 
 def _edgetpu(path: Path, flatbuffer: bytes, notes: list[str]) -> dict:

@@ -55,7 +55,7 @@ def digits_cnn(input_shape=(8, 8, 1), num_classes=10, width: int = 32, keras_mod
     h = inputs
     for i, channels in enumerate((width, 2 * width, 2 * width)):
         h = L.Conv2D(channels, 3, padding="same", use_bias=False, name=f"conv{i + 1}")(h)
-        h = L.BatchNormalization(name=f"bn{i + 1}")(h)
+        h = L.BatchNormalization(momentum=BN_MOMENTUM, name=f"bn{i + 1}")(h)
         h = L.ReLU(name=f"relu{i + 1}")(h)
         if i == 1:
             h = L.MaxPooling2D(name="pool")(h)

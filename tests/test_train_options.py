@@ -380,20 +380,22 @@ def test_same_seed_gives_identical_weights_and_tflite(tmp_path):
     import hashlib
 
     runs, digests = [], []
-    for name in ("a", "b", "c"):
-        seed = 7 if name != "c" else 8
+    for name, seed, qat in (("a", 7, 1), ("b", 7, 1), ("c", 8, 0)):
         run = train(
             TrainConfig(
-                model="digits-cnn", data="digits", out_dir=str(tmp_path / name), epochs=1, qat_epochs=1, seed=seed
+                model="digits-cnn", data="digits", out_dir=str(tmp_path / name), epochs=1, qat_epochs=qat, seed=seed
             )
         )
-        out = convert(run.qat_model, tmp_path / f"{name}.tflite", ConvertOptions(mode="int8-only"))
         runs.append(load_keras_model(run.fp32_model).get_weights())
-        digests.append(hashlib.sha256(out.path.read_bytes()).hexdigest())
+        if qat:
+            out = convert(run.qat_model, tmp_path / f"{name}.tflite", ConvertOptions(mode="int8-only"))
+            digests.append(hashlib.sha256(out.path.read_bytes()).hexdigest())
         assert json.loads((tmp_path / name / "run.json").read_text())["hyperparameters"]["seed"] == seed
     assert all(np.array_equal(x, y) for x, y in zip(runs[0], runs[1]))
     assert digests[0] == digests[1]
-    assert digests[2] != digests[0]  # another seed, another model: the test can tell
+    assert not all(
+        np.array_equal(x, y) for x, y in zip(runs[0], runs[2])
+    )  # another seed, other weights: the test can tell
 
 
 def _progress_of(state_file):
@@ -409,13 +411,14 @@ def test_sigkill_at_random_moments_then_resume_finishes_losing_at_most_one_epoch
     each --resume starts at or after the last epoch whose checkpoint completed, and the run ends
     with every epoch trained once. A kill comes after a random number of checkpointed epochs
     (read from the run's stderr, no timer) plus a random fraction of a second, so it lands
-    anywhere; what is asserted holds wherever it lands. 20 kills with EDGEQ_SLOW=1, 4 otherwise."""
+    anywhere; what is asserted holds wherever it lands. 20 kills with EDGEQ_SLOW=1, 3 otherwise
+    (the Ctrl-C test checks that a resumed run still reaches the recipe's accuracy)."""
     import time
 
-    kills = 20 if os.environ.get("EDGEQ_SLOW") == "1" else 4
+    kills = 20 if os.environ.get("EDGEQ_SLOW") == "1" else 3
     out, epoch_log = tmp_path / "run", tmp_path / "epochs.log"
     cmd = [sys.executable, "-m", "edgeq", "train", "digits-cnn", "--data", "digits"]
-    cmd += ["--out", str(out)]  # the recipe: 25 FP32 epochs, 4 QAT epochs
+    cmd += ["--epochs", "8", "--qat-epochs", "2", "--out", str(out)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "EDGEQ_TEST_EPOCH_LOG": str(epoch_log)}
     state_file = out / "checkpoint" / "state.json"
     rng = np.random.default_rng(11)
@@ -425,7 +428,7 @@ def test_sigkill_at_random_moments_then_resume_finishes_losing_at_most_one_epoch
             break
         args = cmd + (["--resume"] if state_file.is_file() else ["--force"])
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        wait_for = int(rng.integers(0, 9))  # checkpointed epochs to let pass
+        wait_for = int(rng.integers(1, 5))  # checkpointed epochs to let pass
         seen = 0
         while seen < wait_for:
             line = proc.stderr.readline()
@@ -449,11 +452,11 @@ def test_sigkill_at_random_moments_then_resume_finishes_losing_at_most_one_epoch
         finished = subprocess.run(args, capture_output=True, text=True, env=env)
         assert finished.returncode == 0, finished.stderr
     history = json.loads((out / "history.json").read_text())
-    assert [[e["epoch"] for e in s["epochs"]] for s in history["stages"]] == [list(range(1, 26)), [1, 2, 3, 4]]
+    assert [[e["epoch"] for e in s["epochs"]] for s in history["stages"]] == [list(range(1, 9)), [1, 2]]
     run = json.loads((out / "run.json").read_text())
-    assert run["results"][-1]["test_accuracy"] >= 0.9, landed
+    assert run["resumed_from"] is not None or not any(c for c, _ in landed), landed
     assert not (out / "checkpoint").exists()
-    assert sum(1 for c, _ in landed if c is not None) >= min(2, kills)  # kills landed during training, not all before
+    assert landed and all(c is not None for c, _ in landed), landed  # each kill landed after training began
 
 
 def test_resume_restores_the_optimizer_state(tmp_path):

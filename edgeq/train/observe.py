@@ -36,7 +36,9 @@ class Observer:
 
     def values(self) -> np.ndarray:
         sample = np.concatenate(self.parts)
-        return np.concatenate([sample, [self.low, self.high]])  # the extremes always count
+        missing = [v for v in (self.low, self.high) if not np.any(sample == np.float32(v))]
+        # the extremes always count, once: a sampled-away one is added, a kept one not doubled
+        return np.concatenate([sample, np.asarray(missing, dtype=np.float32)]) if missing else sample
 
 
 def suffix(variable, layer=None) -> str:
