@@ -122,15 +122,17 @@ def recalibrated(calibrated: bytes, x: np.ndarray, method: str, seed: int = 0) -
     with warnings.catch_warnings():  # tf.lite.Interpreter's deprecation; preserve_all_tensors is meant here
         warnings.simplefilter("ignore")
         interpreter = tf.lite.Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True)
-    interpreter.allocate_tensors()
+    with native_output_silenced():
+        interpreter.allocate_tensors()
     (inp,) = interpreter.get_input_details()
     rng = np.random.default_rng(seed)
     observers = {index: Observer(rng) for index in recorded}
-    for i in range(len(x)):
-        interpreter.set_tensor(inp["index"], x[i : i + 1].astype(inp["dtype"]))
-        interpreter.invoke()
-        for index, observer in observers.items():
-            observer.add(interpreter.get_tensor(index))
+    with native_output_silenced():  # LiteRT's "Created TensorFlow Lite XNNPACK delegate" line
+        for i in range(len(x)):
+            interpreter.set_tensor(inp["index"], x[i : i + 1].astype(inp["dtype"]))
+            interpreter.invoke()
+            for index, observer in observers.items():
+                observer.add(interpreter.get_tensor(index))
     return with_tensor_ranges(
         calibrated, {index: activation_range(observer.values(), method) for index, observer in observers.items()}
     )
