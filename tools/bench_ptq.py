@@ -19,7 +19,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-SIZE = 64
+SIZE = int(os.environ.get("EDGEQ_BENCH_SIZE", "64"))
 ARCHITECTURES = ("MobileNet", "MobileNetV2", "MobileNetV3Small", "EfficientNetB0", "ResNet50", "DenseNet121")
 RANGES = ("converter", "minmax", "percentile", "mse", "entropy")
 
@@ -143,7 +143,7 @@ def measure() -> list[dict]:
             for rounding in ("stochastic", "adaround"):
                 row[rounding] = _convert(path, data, out, ptq=method, rounding=rounding, seed=0)
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items()}, default=str)[:600], flush=True)
+            print(json.dumps(row, default=str), flush=True)  # whole rows: a stopped run still has its numbers
     return rows
 
 
