@@ -79,10 +79,10 @@ def fsync_path(path: str | os.PathLike) -> None:
         _fsync(path)
 
 
-def _fsync_entries(folder: Path) -> None:
-    """fsync the folder itself (its list of names), not the files in it."""
+def _fsync_entries(path: Path) -> None:
+    """fsync one file, or a folder itself (its list of names), not the files in it."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:  # e.g. a directory on Windows: nothing to sync there
         return
     try:
@@ -94,19 +94,10 @@ def _fsync_entries(folder: Path) -> None:
 
 
 def _fsync(path: Path) -> None:
-    """fsync a file, or a directory entry (POSIX); a folder written by Keras is synced file by file."""
+    """fsync a file, or a folder written by Keras file by file and then itself."""
     paths = [path] if not path.is_dir() else [*sorted(p for p in path.rglob("*") if p.is_file()), path]
     for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:  # e.g. a directory on Windows: nothing to sync there
-            continue
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        _fsync_entries(p)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

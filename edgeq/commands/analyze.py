@@ -7,6 +7,14 @@ import click
 from edgeq.commands.ui import table
 from edgeq.ranges import ACTIVATION_METHODS
 
+_ranges_option = click.option(
+    "--ranges",
+    type=click.Choice(list(ACTIVATION_METHODS)),
+    default="minmax",
+    show_default=True,
+    help="How activation ranges are set from the calibration data (minmax: the converter's own).",
+)
+
 
 @click.group("analyze")
 def analyze():
@@ -155,13 +163,7 @@ def weights(model, json_path, csv_path, plots_dir, data, calib_samples, seed):
 @click.option(
     "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
 )
-@click.option(
-    "--ranges",
-    type=click.Choice(list(ACTIVATION_METHODS)),
-    default="minmax",
-    show_default=True,
-    help="How activation ranges are set from the calibration data (minmax: the converter's own).",
-)
+@_ranges_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Bar chart PNG of the ranking.")
 def sensitivity(model, data, method, calib_samples, split, granularity, ranges, json_path, plot_path):
@@ -233,13 +235,7 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
     "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
 )
 @click.option("--int4", is_flag=True, help="Then INT4 weights on the least sensitive layers, within the budget.")
-@click.option(
-    "--ranges",
-    type=click.Choice(list(ACTIVATION_METHODS)),
-    default="minmax",
-    show_default=True,
-    help="How activation ranges are set from the calibration data (minmax: the converter's own).",
-)
+@_ranges_option
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Size/accuracy frontier PNG.")
 def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, ranges, plot_path):
     """Start from full INT8 and keep the most sensitive layers float until the accuracy
