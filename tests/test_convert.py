@@ -144,6 +144,7 @@ def test_edgetpu_conversion_is_static_checked_and_says_when_the_compiler_is_miss
     assert "edgetpu_compiler is not on PATH" in result.stdout
     manifest = json.loads((tmp_path / "coral.manifest.json").read_text())
     assert manifest["edgetpu"]["compatible"] is True and manifest["edgetpu"]["compiler"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coral.manifest.json", "coral.tflite"]  # no staging left
     model = TFLiteModel(out)
     assert model.input.shape == (1, 8, 8, 1) and model.input.dtype == "uint8"
     sig = model.interpreter.get_input_details()[0]["shape_signature"]
