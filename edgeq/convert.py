@@ -170,8 +170,7 @@ def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_q
         return None, None
     if not calib:
         notes.append(f"calibration/verification data taken from the training run: {spec}")
-    recorded = (record or {}).get("normalization")
-    normalization = Normalization.from_dict(recorded) if isinstance(recorded, dict) else None
+    normalization = _recorded_normalization(record)
     # raw files in the units the model was trained in; float files checked against them
     dataset = load_dataset(spec, tuple(model_input_shape), labels_required=False, normalization=normalization)
     dataset.check_fits(tuple(model_input_shape), where=f"model {source_path}")
@@ -442,7 +441,12 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     )
     op_counts = dict(Counter(op.op_name for op in tflite.ops()))
 
-    normalization = dataset.normalization if dataset is not None else _normalization_of_run(source_path)
+    if dataset is not None:
+        normalization = dataset.normalization
+    else:
+        from edgeq.model_io import run_record_for
+
+        normalization = _recorded_normalization(run_record_for(source_path) if source_path else None) or Normalization()
     manifest = {
         "kind": "edgeq.convert",
         "model": out.name,
@@ -671,13 +675,10 @@ def _plan_float_layers(keras_model, plan) -> list[str]:
     return [name for name, p in _plan_resolved(keras_model, plan).items() if p.keep_float]
 
 
-def _normalization_of_run(source_path) -> Normalization:
-    """The normalisation the run that trained ``source_path`` recorded (none: identity)."""
-    from edgeq.model_io import run_record_for
-
-    record = run_record_for(source_path) if source_path else None
+def _recorded_normalization(record: dict | None) -> Normalization | None:
+    """The normalisation a training run's run.json recorded, if any."""
     recorded = (record or {}).get("normalization")
-    return Normalization.from_dict(recorded) if isinstance(recorded, dict) else Normalization()
+    return Normalization.from_dict(recorded) if isinstance(recorded, dict) else None
 
 
 def _plan_ranges(plan, ptq: str) -> str:
