@@ -13,7 +13,10 @@ import logging
 import os
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# 3 hides the C++ ERROR lines too (e.g. tf.data's "NodeDef mentions attribute
+# use_unbounded_threadpool" under op determinism); real errors still reach Python as
+# exceptions. `edgeq -v` (EDGEQ_VERBOSE=1) keeps TensorFlow's warnings and errors.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1" if os.environ.get("EDGEQ_VERBOSE") else "3")
 
 from edgeq.errors import MissingExtraError  # noqa: E402
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -299,8 +300,12 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
     refused = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert refused.returncode != 0 and "--resume" in refused.stderr  # never silently overwritten
 
-    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env)
+    # as a user runs it (no TF_CPP_MIN_LOG_LEVEL): the terminal shows edgeq's words only
+    user_env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=user_env)
     assert resumed.returncode == 0, resumed.stderr
+    noise = [line for line in resumed.stderr.splitlines() if re.match(r"[EWIF]\d{4} ", line) or "Warning" in line]
+    assert not noise, noise  # TensorFlow's C++ log lines and Keras' Python warnings stay hidden without -v
     history = json.loads((out / "history.json").read_text())
     epochs = [e["epoch"] for e in history["stages"][0]["epochs"]]
     assert epochs == list(range(1, 26))  # every epoch once: nothing lost, nothing repeated

@@ -23,6 +23,7 @@ import numpy as np
 
 from edgeq.calibration import Calibrated, calibrate, predict
 from edgeq.errors import UsageError
+from edgeq.shims.tflite import native_output_silenced
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class SensitivityReport:
     ranges: str = "minmax"  # activation range method (edgeq.ranges); minmax is the converter's own
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {"kind": "edgeq.analyze.sensitivity", **asdict(self)}
         return _finite(d)
 
 
@@ -89,7 +90,8 @@ def _node_for_debug_tensor(name: str, nodes: list[str]) -> str | None:
 
 
 def fast_sensitivity(cal: Calibrated) -> list[FastSensitivity]:
-    cal.debugger.run()
+    with native_output_silenced():  # the interpreter's XNNPACK notice, numpy's cast warnings
+        cal.debugger.run()
     stats = cal.debugger.layer_statistics
     by_layer: dict[str, FastSensitivity] = {}
     for key, metrics in stats.items():

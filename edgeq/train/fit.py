@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -487,7 +488,9 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
     qat_path = None
     if qat_model is not None:
         qat_path = out_dir / QAT_NAME
-        with atomic_path(qat_path) as tmp:
+        with atomic_path(qat_path) as tmp, warnings.catch_warnings():
+            # .h5 is the format TF-MOT reloads its wrappers from; Keras' "legacy format" notice is not news
+            warnings.filterwarnings("ignore", message=".*HDF5 file.*")
             qat_model.save(str(tmp))
         with atomic_path(out_dir / QAT_FLOAT_NAME) as tmp:
             float_model.save(str(tmp))
