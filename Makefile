@@ -11,16 +11,19 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[train,dev,deploy]"
+	$(PY) -m pip install --quiet -e ".[train,dev,deploy,report]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# The main job on built-in data: FP32 + QAT on digits, int8-only TFLite, eval vs FP32.
+# The main job on built-in data: FP32 + QAT on digits, int8-only TFLite, eval vs FP32 (1 pp budget),
+# latency, and the HTML report of it all.
 demo: $(STAMP)
 	$(EDGEQ) train digits-cnn --data digits --out $(DEMO)
 	$(EDGEQ) convert $(DEMO)/qat.h5 --int8-only --out $(DEMO)/digits_int8.tflite
-	$(EDGEQ) eval $(DEMO)/digits_int8.tflite --reference $(DEMO)/fp32.keras --data digits --json $(DEMO)/eval.json
+	$(EDGEQ) eval $(DEMO)/digits_int8.tflite --reference $(DEMO)/fp32.keras --data digits --max-drop 1.0 --json $(DEMO)/eval.json
+	$(EDGEQ) profile $(DEMO)/digits_int8.tflite --runs 50 --json $(DEMO)/profile.json
+	$(EDGEQ) report $(DEMO) --out $(DEMO)/report.html
 
 # deploy/test-env.sh: a real sshd, qemu-user and the emulated Raspberry Pi 4 for tests/fleet.
 test: $(STAMP)

@@ -24,7 +24,7 @@ setup(
     # Reference-model recipes live in the top-level models/ folder and ship inside the
     # package as edgeq.models, so an installed edgeq finds them without the checkout.
     package_dir={"edgeq.models": "models"},
-    package_data={"edgeq.models": ["*.toml"]},
+    package_data={"edgeq.models": ["*.toml"], "edgeq.report": ["templates/*.j2"]},
     install_requires=[
         "numpy>=1.23",
         "click>=8.1",
@@ -53,8 +53,15 @@ setup(
             "pyyaml>=6",  # Ansible-style YAML inventories
             "tomli>=2; python_version<'3.11'",
         ],
+        # `edgeq report`: one HTML page, plots inline.
+        "report": [
+            "jinja2>=3.1",
+            "matplotlib>=3.7",
+        ],
         "dev": [
             "pytest>=8",
+            # the report test loads the page in Debian's headless Chromium (deploy/test-env.sh)
+            "playwright>=1.40",
             "ruff>=0.6",
             "hypothesis>=6",
         ],

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the fleet tests (tests/fleet) need on a fresh Debian/Ubuntu x86-64 machine, as root:
 # a real sshd (openssh-server), qemu-user-static, and the emulated Raspberry Pi 4 userland
-# (cached under .cache/pi4, about 330 MB). Idempotent: a second run does nothing.
+# (cached under .cache/pi4, about 330 MB); and Chromium for the report test. Idempotent:
+# a second run does nothing.
 #
 #   deploy/test-env.sh            # from the repository root; `make test` calls it
 #
@@ -15,10 +16,12 @@ need=()
 [ -x /usr/sbin/sshd ] && [ -x /usr/lib/openssh/sftp-server ] || need+=(openssh-server)
 command -v qemu-aarch64-static >/dev/null || need+=(qemu-user-static)
 command -v ssh-keygen >/dev/null || need+=(openssh-client)
+# the report test loads edgeq's HTML page in headless Chromium (through playwright)
+command -v chromium >/dev/null || need+=(chromium)
 
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    echo "test-env: missing ${need[*]} and cannot install them (needs root and apt-get); the fleet tests will skip" >&2
+    echo "test-env: missing ${need[*]} and cannot install them (needs root and apt-get); the fleet and browser tests will skip" >&2
     exit 0
   fi
   echo "test-env: installing ${need[*]}" >&2

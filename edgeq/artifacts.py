@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -141,4 +142,12 @@ def provenance(extra_dists: tuple[str, ...] = ()) -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "versions": {d: v for d in dists if (v := _version(d)) is not None},
+        "command": command_line(),
     }
+
+
+def command_line() -> str | None:
+    """The edgeq command that is running (None when edgeq is used as a library)."""
+    if not sys.argv or Path(sys.argv[0]).name not in ("edgeq", "__main__.py"):
+        return None
+    return shlex.join(["edgeq", *sys.argv[1:]])

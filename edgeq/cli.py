@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "devices": ("edgeq.commands.devices", "devices", "The device inventory, and what each device has (over SSH)."),
     "push": ("edgeq.commands.push", "push", "Push models (and the edgeq runtime) to devices over SSH."),
     "verify": ("edgeq.commands.verify", "verify", "Compare a device's outputs with this host's interpreter."),
+    "report": ("edgeq.commands.report", "report", "One self-contained HTML page: what quantization cost."),
     "inspect": (
         "edgeq.commands.inspect",
         "inspect",

@@ -39,7 +39,7 @@ class EvalResult:
     passed: bool = True
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {"kind": "edgeq.eval", **asdict(self)}
         for k, v in d.items():
             if isinstance(v, float) and math.isinf(v):
                 d[k] = "inf" if v > 0 else "-inf"

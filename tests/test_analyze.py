@@ -134,6 +134,10 @@ def test_plan_meets_the_budget_and_keeps_every_other_layer_integer(cli, outlier_
     kept_float = set(saved["layers"])
     assert "conv1" in kept_float and kept_float <= {"conv1", "conv2"}
     assert len(saved["frontier"]) >= 2 and (tmp_path / "frontier.png").is_file()
+    shown = cli("report", plan, "--out", tmp_path / "plan.html")  # the plan's section of `edgeq report`
+    assert shown.exit_code == 0, shown.output
+    page = (tmp_path / "plan.html").read_text()
+    assert 'id="plans"' in page and "meets the 0.5 pp budget" in page and "conv1" in page
     out = tmp_path / "planned.tflite"
     converted = cli("convert", outlier_model, "--plan", plan, "--calib", "digits", "--out", out)
     assert converted.exit_code == 0, converted.output

@@ -106,7 +106,9 @@ def weights(model, json_path, csv_path, plots_dir, data, calib_samples, seed):
     if json_path:
         from dataclasses import asdict
 
-        document = {"model": str(model), "layers": [r.to_dict() for r in reports]}
+        document = {"kind": "edgeq.analyze.weights", "model": str(model), "layers": [r.to_dict() for r in reports]}
+        if plots_dir:  # where the histograms are, for `edgeq report`
+            document["plots"] = str(plots_dir)
         if rounding:
             document["rounding"] = {"data": data, "samples": calib_samples, "seed": seed}
             document["rounding"]["layers"] = [asdict(e) for e in rounding]

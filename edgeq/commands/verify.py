@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import click
 
 from edgeq.commands import ui
@@ -20,10 +22,13 @@ from edgeq.commands import ui
     "1e-5 for float outputs, whose last bits may differ between CPUs).",
 )
 @click.option("--delegate", default="xnnpack", show_default=True, help="xnnpack | none (same on both sides).")
+@click.option("--json", "json_out", metavar="OUT", help="Write every device's result as JSON here (for edgeq report).")
 @ui.inventory_option
 @ui.host_key_option
 @ui.parallel_option
-def verify(model, targets, data, inputs, limit, tolerance, delegate, inventory_path, accept_new_host_keys, parallel):
+def verify(
+    model, targets, data, inputs, limit, tolerance, delegate, json_out, inventory_path, accept_new_host_keys, parallel
+):
     """Run the same inputs on each device and on this host's interpreter; report agreement."""
     from edgeq.fleet.remote import for_each_device, verify_on
 
@@ -36,16 +41,21 @@ def verify(model, targets, data, inputs, limit, tolerance, delegate, inventory_p
         parallel=parallel,
         on_event=ui.progress_printer(),
     )
-    rows, mismatched = [], []
+    rows, mismatched, documents = [], [], []
     for o in outcomes:
         r = o.result
         if r is None:
             rows.append([o.device, "failed", "-", "-", "-", "-", "-", o.error or ""])
+            documents.append({"device": o.device, "status": "failed", "seconds": o.seconds, "error": o.error})
             continue
         allowed = tolerance if tolerance is not None else (0.0 if r.output_dtype.startswith(("int", "uint")) else 1e-5)
         ok = r.bit_exact or r.max_abs_diff <= allowed
         if not ok:
             mismatched.append(o.device)
+        documents.append(
+            {"device": o.device, "status": "ok" if ok else "mismatch", "seconds": o.seconds, "tolerance": allowed}
+            | asdict(r)
+        )
         agreement = "bit-exact" if r.bit_exact else f"max |diff| {r.max_abs_diff:g} ({r.max_abs_diff_float:.4g} float)"
         rows.append(
             [
@@ -61,6 +71,9 @@ def verify(model, targets, data, inputs, limit, tolerance, delegate, inventory_p
         )
     headers = ["device", "status", "arch", "device runtime", "samples", "outputs vs host", "top-1 agree", "error"]
     click.echo(ui.table(headers, rows, numbers=True))
+    if json_out:  # before any exit: a failed or mismatched device is what the file is for
+        document = {"kind": "edgeq.verify", "model": model, "data": data, "delegate": delegate, "devices": documents}
+        ui.write_json_output(document, json_out)
     ui.failed_exit(outcomes)
     if mismatched:
         from edgeq.errors import VerificationMismatch

@@ -59,6 +59,18 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
     lines = {line.split()[0]: line for line in profiled.stdout.splitlines() if line.strip()}
     assert " ok " in lines["x86-venv"] and " ok " in lines["pi4-emu"]
 
+    # the fleet section of `edgeq report`: one row per device, the device's own numbers
+    from edgeq.report import collect
+    from edgeq.report.build import render
+
+    _, context = render(collect([tmp_path / "results"]))
+    rows = {r["device"]: r for r in context["fleet"]}
+    assert set(rows) == {"x86-venv", "pi4-emu"} and rows["pi4-emu"]["machine"] == "aarch64"
+    for device, row in rows.items():
+        report = json.loads((tmp_path / "results" / device / "tiny_int8.profile.json").read_text())
+        assert row["median_ms"] == report["model"]["runs"][0]["latency"]["median_ms"]
+        assert row["accuracy"] == report["model"]["accuracy"]["accuracy"]
+
     # Bootstrapped once: a second push sends nothing and installs nothing (unless someone
     # edited the checkout meanwhile: then the new edgeq wheel is installed, as it should be).
     from edgeq.fleet.bootstrap import _source_hash
@@ -87,12 +99,22 @@ def test_devices_check(cli, fleet):
     assert not list(site_packages[0].glob("tensorflow*")) and not list(site_packages[0].glob("tf_keras*"))
 
 
-def test_verify_int8_bit_exact_on_aarch64_and_x86(cli, fleet):
-    result = _run(cli, fleet, "verify", INT8, "--data", DIGITS, "--limit", "64", "--on", "all")
+def test_verify_int8_bit_exact_on_aarch64_and_x86(cli, fleet, tmp_path):
+    out = tmp_path / "verify.json"
+    result = _run(cli, fleet, "verify", INT8, "--data", DIGITS, "--limit", "64", "--on", "all", "--json", out)
     assert result.exit_code == 0, result.output
-    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.split()}
     assert "bit-exact" in rows["pi4-emu"] and "aarch64" in rows["pi4-emu"]
     assert "bit-exact" in rows["x86-venv"]
+    saved = {d["device"]: d for d in json.loads(out.read_text())["devices"]}
+    assert saved["pi4-emu"]["bit_exact"] and saved["pi4-emu"]["samples"] == 64 and saved["x86-venv"]["status"] == "ok"
+
+    from edgeq.report import collect
+    from edgeq.report.build import render
+
+    html, context = render(collect([out]))
+    assert context["verdict"]["status"] == "pass"
+    assert {r["device"]: r["verify"] for r in context["fleet"]} == {"pi4-emu": "bit-exact", "x86-venv": "bit-exact"}
 
 
 def test_hostile_file_names_inject_nothing(cli, fleet, tmp_path, monkeypatch):

@@ -1,0 +1,507 @@
+"""From the documents found to one HTML page: the figures, the tables, the verdict."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import edgeq.report.figures as figures
+from edgeq import __version__
+from edgeq.artifacts import atomic_path
+from edgeq.errors import MissingExtraError
+from edgeq.report.sources import Sources, collect
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    path: Path
+    size_bytes: int
+    seconds: float
+    verdict: str  # pass | fail | unknown
+    sections: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool | None  # None: a fact, not a pass or a failure
+    text: str
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def pct(value: Any) -> str:
+    v = _num(value)
+    return "-" if v is None else f"{v:.2%}"
+
+
+def signed(value: Any, digits: int = 2) -> str:
+    v = _num(value)
+    return "-" if v is None else f"{v:+.{digits}f}"
+
+
+def fixed(value: Any, digits: int = 1) -> str:
+    v = _num(value)
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def size(value: Any) -> str:
+    v = _num(value)
+    if v is None:
+        return "-"
+    return f"{v / 1024:.1f} KiB" if v < 1024 * 1024 else f"{v / 1024 / 1024:.2f} MiB"
+
+
+def _name(path: Any) -> str:
+    return Path(str(path)).name
+
+
+# ---------------------------------------------------------------- sections
+
+MODEL_FIELDS = (
+    "reference", "mode", "dtype", "accuracy", "drop_pp", "agreement", "sqnr_db", "size_bytes", "size_ratio",
+    "median_ms", "p90_ms", "speedup", "rss_mb", "threads", "integer_only", "verified", "data",
+)  # fmt: skip
+DEVICE_FIELDS = (
+    "machine", "runtime", "model", "median_ms", "p90_ms", "accuracy", "temperature_c", "governor", "verify",
+    "verify_ok", "top1_agreement",
+)  # fmt: skip
+
+
+def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
+    """One row per quantized model (and the FP32 reference): accuracy, error, size, latency."""
+    rows: dict[str, dict] = {}
+    checks: list[Check] = []
+
+    def row(key: str) -> dict:
+        return rows.setdefault(key, {"model": key})
+
+    for doc in sources.of("eval"):
+        d = doc.data
+        ref = row(_name(d["reference"]) + " (FP32 reference)")
+        ref.update(accuracy=d["reference_accuracy"], size_bytes=d["reference_size_bytes"], reference=True)
+        r = row(_name(d["model"]))
+        r.update(
+            dtype=d.get("model_dtype"),
+            accuracy=d["accuracy"],
+            drop_pp=d["drop_pp"],
+            agreement=d["agreement"],
+            sqnr_db=d["sqnr_db"],
+            size_bytes=d["size_bytes"],
+            size_ratio=d.get("size_ratio"),
+            data=d.get("data"),
+        )
+        budget = _num(d.get("max_drop_pp"))
+        if budget is not None:
+            ok = bool(d.get("passed"))
+            checks.append(
+                Check(
+                    ok,
+                    f"{_name(d['model'])}: accuracy drop {d['drop_pp']:+.2f} pp "
+                    f"{'within' if ok else 'exceeds'} the {budget:g} pp budget "
+                    f"(FP32 {d['reference_accuracy']:.2%}, quantized {d['accuracy']:.2%}, {d.get('data')})",
+                )
+            )
+        else:
+            checks.append(
+                Check(
+                    None,
+                    f"{_name(d['model'])}: accuracy drop {d['drop_pp']:+.2f} pp (no budget given: "
+                    "edgeq eval --max-drop PP sets one)",
+                )
+            )
+    for doc in sources.of("manifest"):
+        d = doc.data
+        r = row(_name(d["model"]))
+        v = d.get("verification") or {}
+        r.update(mode=d.get("mode"), integer_only=v.get("integer_only"), verified=v.get("passed"))
+        r.setdefault("size_bytes", d.get("size_bytes"))
+        r.setdefault("dtype", (d.get("input") or {}).get("dtype"))
+        if d.get("mode") in ("int8-only", "edgetpu", "int16x8"):
+            integer = bool(v.get("integer_only"))
+            checks.append(
+                Check(
+                    integer,
+                    f"{_name(d['model'])}: {'integer-only' if integer else 'NOT integer-only'} "
+                    f"({d.get('mode')}; float ops: {', '.join(v.get('float_ops') or []) or 'none'})",
+                )
+            )
+        if v and not v.get("passed", True):
+            checks.append(
+                Check(
+                    False,
+                    f"{_name(d['model'])}: failed verification after conversion (SQNR "
+                    f"{fixed(v.get('sqnr_db'))} dB, minimum {fixed(v.get('min_sqnr_db'))} dB)",
+                )
+            )
+    for doc in sources.of("profile"):
+        if doc.device is not None:
+            continue
+        for profile, is_ref in ((doc.data.get("model"), False), (doc.data.get("reference"), True)):
+            if not profile:
+                continue
+            facts = profile["model"]
+            name = _name(facts["path"])
+            key = next((k for k in rows if k == name or k.startswith(name + " ")), name)
+            r = row(key)
+            runs = profile.get("runs") or []
+            if runs:
+                first = runs[0]
+                r.update(
+                    median_ms=first["latency"]["median_ms"],
+                    p90_ms=first["latency"].get("p90_ms"),
+                    rss_mb=first["memory"].get("peak_rss_run_mb"),
+                    threads=first.get("threads"),
+                )
+            r.setdefault("size_bytes", facts.get("size_bytes"))
+            r.setdefault("integer_only", facts.get("integer_only"))
+            if is_ref:
+                r["reference"] = True
+        for c in doc.data.get("comparison") or []:
+            r = row(_name(doc.data["model"]["model"]["path"]))
+            if c.get("threads") == r.get("threads", c.get("threads")):
+                r["speedup"] = c.get("speedup")
+    ordered = sorted(rows.values(), key=lambda r: (not r.get("reference"), r["model"]))
+    return [{**dict.fromkeys(MODEL_FIELDS), **r} for r in ordered], checks
+
+
+def _training(sources: Sources) -> list[dict]:
+    runs = []
+    histories = {doc.path.parent: doc for doc in sources.of("history")}
+    for doc in sources.of("run"):
+        d = doc.data
+        history = histories.get(doc.path.parent)
+        stages = history.data["stages"] if history else []
+        runs.append(
+            {
+                "path": str(doc.path.parent),
+                "model": (d.get("config") or {}).get("model"),
+                "data": (d.get("config") or {}).get("data"),
+                "results": d.get("results") or [],
+                "seconds": d.get("train_seconds"),
+                "float_layers": (d.get("quantization") or {}).get("float_layers") or [],
+                "figure": figures.training_curves(stages) if stages else None,
+            }
+        )
+    known = {Path(r["path"]) for r in runs}
+    for parent, history in histories.items():  # a history without its run.json (an unfinished run)
+        if parent not in known:
+            runs.append(
+                {
+                    "path": str(parent),
+                    "model": None,
+                    "data": None,
+                    "results": [],
+                    "seconds": None,
+                    "float_layers": [],
+                    "figure": figures.training_curves(history.data["stages"]),
+                }
+            )
+    return runs
+
+
+def _sensitivity(sources: Sources) -> list[dict]:
+    out = []
+    for doc in sources.of("sensitivity"):
+        d = doc.data
+        fast = [f for f in d.get("fast") or [] if _num(f.get("mean_channel_sqnr_db")) is not None]
+        exact = d.get("exact") or []
+        if any(_num(e.get("loss_pp")) for e in exact):  # all zero: the SQNR bars say more
+            layers = sorted(exact, key=lambda e: -(_num(e.get("loss_pp")) or 0.0))
+            figure = figures.sensitivity_bars(
+                [e["layer"] for e in layers],
+                [_num(e.get("loss_pp")) or 0.0 for e in layers],
+                "accuracy lost when only this layer is int8 (pp)",
+            )
+        elif fast:
+            layers = sorted(fast, key=lambda f: f["mean_channel_sqnr_db"])
+            figure = figures.sensitivity_bars(
+                [f["layer"] for f in layers],
+                [f["mean_channel_sqnr_db"] for f in layers],
+                "mean channel SQNR of the layer's int8 output (dB; lower: more sensitive)",
+            )
+        else:
+            continue
+        out.append(
+            {
+                "path": str(doc.path),
+                "model": d.get("model"),
+                "data": d.get("data"),
+                "fp32_accuracy": d.get("fp32_accuracy"),
+                "int8_accuracy": d.get("int8_accuracy"),
+                "figure": figure,
+                "rows": [
+                    {
+                        "layer": f["layer"],
+                        "sqnr": f.get("mean_channel_sqnr_db"),
+                        "worst": f.get("worst_channel_sqnr_db"),
+                        "loss_pp": next((e.get("loss_pp") for e in exact if e["layer"] == f["layer"]), None),
+                    }
+                    for f in sorted(fast, key=lambda f: f["mean_channel_sqnr_db"])
+                ],
+            }
+        )
+    return out
+
+
+def _plans(sources: Sources) -> tuple[list[dict], list[Check]]:
+    out, checks = [], []
+    for doc in sources.of("plan"):
+        d = doc.data
+        chosen = {"size_bytes": d.get("size_bytes"), "drop_pp": d.get("drop_pp")}
+        points = [p for p in d.get("frontier") or [] if _num(p.get("size_bytes")) is not None]
+        layers = d.get("layers") or {}
+        out.append(
+            {
+                "path": str(doc.path),
+                "max_drop_pp": d.get("max_drop_pp"),
+                "met": d.get("met"),
+                "accuracy": d.get("accuracy"),
+                "drop_pp": d.get("drop_pp"),
+                "fp32_accuracy": d.get("fp32_accuracy"),
+                "int8_accuracy": d.get("int8_accuracy"),
+                "size_bytes": d.get("size_bytes"),
+                "float_layers": [k for k, v in layers.items() if v == "float"],
+                "int4_layers": [k for k, v in layers.items() if isinstance(v, dict) and v.get("weight_bits") == 4],
+                "figure": figures.plan_frontier(points, float(d.get("max_drop_pp") or 0.0), chosen) if points else None,
+            }
+        )
+        if d.get("met") is not None:
+            checks.append(
+                Check(
+                    bool(d["met"]),
+                    f"plan {doc.path.name}: {'meets' if d['met'] else 'does not meet'} its "
+                    f"{d.get('max_drop_pp'):g} pp budget (drop {signed(d.get('drop_pp'))} pp)",
+                )
+            )
+    return out, checks
+
+
+def _weights(sources: Sources) -> list[dict]:
+    out = []
+    for doc in sources.of("weights"):
+        d = doc.data
+        rows = []
+        for layer in d.get("layers") or []:
+            errors = {(e["bits"], e["granularity"], e["scheme"], e["rounding"]): e for e in layer.get("errors") or []}
+
+            def db(bits, gran, rounding="nearest", errors=errors):
+                e = errors.get((bits, gran, "symmetric", rounding))
+                return e["sqnr_db"] if e else None
+
+            rows.append(
+                {
+                    "name": layer["name"],
+                    "kind": layer.get("kind"),
+                    "std": layer.get("std"),
+                    "kurtosis": layer.get("kurtosis"),
+                    "outliers": layer.get("outlier_fraction"),
+                    "spread": layer.get("channel_range_spread"),
+                    "int8_tensor": db(8, "per-tensor"),
+                    "int8_channel": db(8, "per-channel"),
+                    "int4_channel": db(4, "per-channel"),
+                    "recommendation": layer.get("recommendation"),
+                }
+            )
+        rows.sort(key=lambda r: _num(r["int8_channel"]) if _num(r["int8_channel"]) is not None else math.inf)
+        histograms = []
+        if d.get("plots"):
+            folder = Path(d["plots"])
+            if not folder.is_absolute() and not folder.is_dir():
+                folder = doc.path.parent / folder.name
+            for r in rows[:3]:  # the worst layers
+                png = folder / f"hist_{r['name'].replace('/', '_')}.png"
+                if png.is_file():
+                    histograms.append({"layer": r["name"], "uri": figures.png_uri(png)})
+        out.append({"path": str(doc.path), "model": d.get("model"), "rows": rows, "histograms": histograms})
+    return out
+
+
+def _ops(sources: Sources) -> list[dict]:
+    from edgeq.runtime.inspect import inspect_tflite
+
+    out = []
+    for path in sources.tflite:
+        try:
+            r = inspect_tflite(path)
+        except Exception as exc:  # a file that is not a model gets a line, not a broken report
+            log.warning("%s: cannot read as a TFLite model (%s)", path, exc)
+            continue
+        by_type: dict[tuple[str, str], int] = {}
+        for op in r.ops:
+            by_type[(op.op_type, op.precision)] = by_type.get((op.op_type, op.precision), 0) + 1
+        tpu = r.edgetpu
+        out.append(
+            {
+                "path": str(path),
+                "name": path.name,
+                "size_bytes": r.size_bytes,
+                "integer_only": r.integer_only,
+                "total": r.op_summary.total,
+                "int8_share": r.op_summary.int8_share,
+                "float_ops": r.op_summary.float_ops,
+                "rows": [{"op": k[0], "precision": k[1], "count": n} for k, n in sorted(by_type.items())],
+                "edgetpu": {
+                    "compatible": tpu.compatible,
+                    "compiled": tpu.compiled,
+                    "mappable": tpu.ops_mappable,
+                    "checked": tpu.ops_checked,
+                    "first_fallback": (
+                        f"op {tpu.first_fallback.index} {tpu.first_fallback.op_type}: "
+                        + "; ".join(tpu.first_fallback.reasons)
+                        if tpu.first_fallback is not None
+                        else None
+                    ),
+                },
+            }
+        )
+    return out
+
+
+def _fleet(sources: Sources) -> tuple[list[dict], list[Check]]:
+    devices: dict[str, dict] = {}
+    checks: list[Check] = []
+    for doc in sources.of("profile"):
+        if doc.device is None:
+            continue
+        d = doc.data
+        env = d.get("environment") or {}
+        runs = (d.get("model") or {}).get("runs") or []
+        acc = (d.get("model") or {}).get("accuracy") or {}
+        devices.setdefault(doc.device, {"device": doc.device}).update(
+            machine=env.get("machine"),
+            runtime=f"{env.get('runtime')} {env.get('runtime_version')}",
+            model=_name((d.get("model") or {}).get("model", {}).get("path", "")),
+            median_ms=runs[0]["latency"]["median_ms"] if runs else None,
+            p90_ms=runs[0]["latency"].get("p90_ms") if runs else None,
+            accuracy=acc.get("accuracy"),
+            temperature_c=env.get("temperature_c"),
+            governor=env.get("governor"),
+        )
+    for doc in sources.of("verify"):
+        for v in doc.data.get("devices") or []:
+            row = devices.setdefault(v["device"], {"device": v["device"]})
+            if v.get("status") == "failed":
+                row["verify"] = "failed: " + str(v.get("error") or "")
+                checks.append(Check(False, f"device {v['device']}: verify failed ({v.get('error')})"))
+                continue
+            row["verify"] = (
+                "bit-exact"
+                if v.get("bit_exact")
+                else f"max |diff| {v.get('max_abs_diff'):g} (tolerance {v.get('tolerance'):g})"
+            )
+            row["verify_ok"] = v.get("status") == "ok"
+            row["top1_agreement"] = v.get("top1_agreement")
+            row.setdefault("machine", v.get("device_machine"))
+            row.setdefault("runtime", v.get("device_runtime"))
+            if v.get("status") != "ok":
+                checks.append(Check(False, f"device {v['device']}: outputs differ from the host's ({row['verify']})"))
+    if devices and not any(c.ok is False for c in checks) and sources.of("verify"):
+        checks.append(Check(True, f"{len(devices)} device(s): outputs as the host's"))
+    return [{**dict.fromkeys(DEVICE_FIELDS), **r} for r in sorted(devices.values(), key=lambda r: r["device"])], checks
+
+
+def _provenance(sources: Sources) -> list[dict]:
+    """Each file: what it is, its hashes, the command and versions that made it (where recorded)."""
+    rows = []
+    for doc in sources.documents:
+        d = doc.data
+        prov = d.get("provenance") or {}
+        data = d.get("data") if isinstance(d.get("data"), dict) else {}
+        profiled = ((d.get("model") or {}).get("model") or {}) if doc.kind == "profile" else {}
+        env = d.get("environment") or {}
+        versions = ", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items())
+        if not versions and env:
+            versions = f"edgeq {d.get('edgeq_version')}, {env.get('runtime')} {env.get('runtime_version')}"
+        hashes = {"model": d.get("sha256") or profiled.get("sha256")}
+        if isinstance(d.get("source"), dict):
+            hashes["source"] = d["source"].get("sha256")
+        hashes["data"] = d.get("calibration_data_sha256") or data.get("sha256")
+        hashes.update(d.get("artifacts") or {})
+        rows.append(
+            {
+                "file": str(doc.path),
+                "kind": doc.kind,
+                "hashes": {k: v for k, v in hashes.items() if v},
+                "command": prov.get("command"),
+                "versions": versions,
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------- page
+
+
+def _verdict(checks: list[Check]) -> dict:
+    failed = [c for c in checks if c.ok is False]
+    passed = [c for c in checks if c.ok is True]
+    if failed:
+        status, headline = "fail", f"FAILS: {failed[0].text}"
+    elif passed:
+        status, headline = "pass", "PASSES: " + "; ".join(c.text for c in passed[:2])
+    else:
+        status, headline = "unknown", "No pass/fail check in these files (no budget, manifest or verify result)"
+    order = failed + passed + [c for c in checks if c.ok is None]
+    return {"status": status, "headline": headline, "checks": order}
+
+
+def render(sources: Sources, title: str | None = None) -> tuple[str, dict]:
+    """The page's HTML and the context it was made from."""
+    try:
+        import jinja2
+    except ImportError as exc:  # pragma: no cover - the report extra brings it
+        raise MissingExtraError('edgeq report needs Jinja2: pip install "edgeq[report]"') from exc
+    models, model_checks = _models(sources)
+    plans, plan_checks = _plans(sources)
+    fleet, fleet_checks = _fleet(sources)
+    context = {
+        "title": title or "edgeq report",
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "edgeq_version": __version__,
+        "verdict": _verdict(model_checks + plan_checks + fleet_checks),
+        "models": models,
+        "training": _training(sources),
+        "sensitivity": _sensitivity(sources),
+        "plans": plans,
+        "weights": _weights(sources),
+        "ops": _ops(sources),
+        "fleet": fleet,
+        "provenance": _provenance(sources),
+    }
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("edgeq.report", "templates"),
+        autoescape=jinja2.select_autoescape(["html", "j2"]),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(pct=pct, signed=signed, fixed=fixed, size=size)
+    return env.get_template("report.html.j2").render(**context), context
+
+
+def build_report(paths: list[str | Path], out: str | Path, title: str | None = None) -> ReportResult:
+    """Collect what PATHS hold and write the report to OUT (atomically)."""
+    start = time.perf_counter()
+    sources = collect(paths)
+    page, context = render(sources, title)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        Path(tmp).write_text(page, encoding="utf-8")
+    sections = tuple(k for k in ("models", "training", "sensitivity", "plans", "weights", "ops", "fleet") if context[k])
+    return ReportResult(out, out.stat().st_size, time.perf_counter() - start, context["verdict"]["status"], sections)
