@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import DataError
-from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, float_samples
+from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, float_samples, read_npz
 
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train, val, test
 DEFAULT_CALIBRATION_SAMPLES = 200
@@ -214,18 +214,7 @@ def load_npz(path: str | Path, labels_required: bool = True, normalization: Norm
     """
     path = Path(path)
     source = f"npz:{path}"
-    if not path.is_file():
-        raise DataError(f"{path}: no such .npz file")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-        broken = sorted(key for key, value in arrays.items() if not isinstance(value, np.ndarray))
-        if broken:  # numpy hands back the raw bytes of a member whose .npy header it cannot read
-            raise ValueError(f"array(s) {', '.join(broken)} are not .npy data")
-    except Exception as exc:  # numpy raises several types for a bad file
-        raise DataError(
-            f"{path}: not a readable .npz file ({type(exc).__name__}); save it with np.savez(x=..., y=...)"
-        ) from exc
+    arrays = read_npz(path)
     if "x" not in arrays:
         raise DataError(
             f"{path}: no array named 'x' (found: {', '.join(arrays) or 'none'}); save with np.savez(x=..., y=...)"

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeq.errors import DataError, DeviceError, EdgeqError
+from edgeq.errors import DeviceError, EdgeqError
 from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe
 from edgeq.fleet.inventory import Device
 from edgeq.fleet.push import FileTransfer, push_files
@@ -235,22 +235,11 @@ def quantized_inputs(model, data: str | Path, inputs: str = "x", limit: int | No
     Read by the input contract (edgeq.runtime.inputs) with the normalisation of the
     manifest beside the model: raw uint8, float samples, or int8 codes of an int8 input.
     """
-    from edgeq.runtime.inputs import model_inputs, normalization_beside
+    from edgeq.runtime.inputs import model_inputs, normalization_beside, read_npz, samples_for
 
-    try:
-        with np.load(data, allow_pickle=False) as npz:
-            if inputs not in npz:
-                raise DataError(f"{data}: no array {inputs!r} (it has {', '.join(npz.files)})")
-            x = np.asarray(npz[inputs])
-    except DataError:
-        raise
-    except Exception as exc:  # numpy and zipfile raise many types (BadZipFile, zlib.error, ...) for a bad file
-        raise DataError(f"{data}: cannot read it as .npz ({type(exc).__name__}: {str(exc)[:120]})") from exc
+    x = samples_for(read_npz(data), inputs, tuple(model.input.shape[1:]), data)
     if limit:
         x = x[:limit]
-    expected = tuple(model.input.shape[1:])
-    if tuple(x.shape[1:]) != expected:
-        raise DataError(f"{data}: inputs of shape {tuple(x.shape[1:])} do not fit the model input {expected}")
     info = model.input
     return model_inputs(
         x, info.dtype, info.scale, info.zero_point, normalization_beside(model.path) if model.path else None, str(data)

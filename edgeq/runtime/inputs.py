@@ -140,6 +140,44 @@ def model_inputs(
     return quantize_input(float_samples(x, normalization, where), dtype, scale, zero_point)
 
 
+def read_npz(path: str | Path) -> dict[str, np.ndarray]:
+    """Every array of an .npz file, or one DataError naming the file and how to save it.
+
+    The one reader of .npz data: `eval`/`train` (npz: sources), `profile --data` and `verify`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such .npz file")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+        broken = sorted(key for key, value in arrays.items() if not isinstance(value, np.ndarray))
+        if broken:  # numpy hands back the raw bytes of a member whose .npy header it cannot read
+            raise ValueError(f"array(s) {', '.join(broken)} are not .npy data")
+    except Exception as exc:  # numpy and zipfile raise many types (BadZipFile, zlib.error, ...) for a bad file
+        raise DataError(
+            f"{path}: not a readable .npz file ({type(exc).__name__}: {' '.join(str(exc).split())[:120]}); "
+            "save it with np.savez(x=..., y=...)"
+        ) from exc
+    return arrays
+
+
+def samples_for(arrays: dict[str, np.ndarray], name: str, shape: tuple[int, ...], path: str | Path) -> np.ndarray:
+    """Array ``name`` as a batch of samples of ``shape`` (one unbatched sample gets its batch axis)."""
+    if name not in arrays:
+        raise DataError(f"{path}: no array {name!r} (it has {', '.join(sorted(arrays)) or 'none'})")
+    x = arrays[name]
+    if tuple(x.shape) == tuple(shape):
+        x = x[None]
+    if x.ndim != len(shape) + 1 or tuple(x.shape[1:]) != tuple(shape):
+        raise DataError(
+            f"{path}: {name} has shape {tuple(x.shape)} but the model takes (N, {', '.join(map(str, shape))})"
+        )
+    if len(x) == 0:
+        raise DataError(f"{path}: {name} is empty")
+    return x
+
+
 def manifest_beside(model_path: str | Path) -> Path:
     """Where ``edgeq convert`` writes the manifest of MODEL.tflite: MODEL.manifest.json."""
     path = Path(model_path)

@@ -28,7 +28,14 @@ from edgeq.artifacts import sha256_bytes
 from edgeq.errors import DataError, ModelLoadError, UsageError
 from edgeq.metrics import compare_outputs
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
-from edgeq.runtime.inputs import Normalization, float_samples, model_inputs, normalization_beside
+from edgeq.runtime.inputs import (
+    Normalization,
+    float_samples,
+    model_inputs,
+    normalization_beside,
+    read_npz,
+    samples_for,
+)
 from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, dequantize, quantize
 
 log = logging.getLogger(__name__)
@@ -300,32 +307,9 @@ def load_npz(
     ``y`` if present: class ids (N,) or one-hot (N, classes).
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such .npz file")
+    arrays = read_npz(path)
     content = path.read_bytes()
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files}
-        broken = sorted(key for key, value in arrays.items() if not isinstance(value, np.ndarray))
-        if broken:  # numpy hands back the raw bytes of a member whose .npy header it cannot read
-            raise ValueError(f"array(s) {', '.join(broken)} are not .npy data")
-    except Exception as exc:  # numpy and zipfile raise many types (BadZipFile, zlib.error, ...) for a bad file
-        raise DataError(
-            f"{path}: not a readable .npz file ({type(exc).__name__}: {' '.join(str(exc).split())[:120]}); "
-            "save it with np.savez(x=..., y=...)"
-        ) from exc
-    if inputs not in arrays:
-        raise DataError(f"{path}: no array {inputs!r} (it has {', '.join(sorted(arrays)) or 'none'})")
-    x = arrays[inputs]
-    expected = tuple(model_input.shape[1:])
-    if tuple(x.shape) == expected:
-        x = x[None]
-    if x.ndim != len(expected) + 1 or tuple(x.shape[1:]) != expected:
-        raise DataError(
-            f"{path}: {inputs} has shape {tuple(x.shape)} but the model takes (N, {', '.join(map(str, expected))})"
-        )
-    if len(x) == 0:
-        raise DataError(f"{path}: {inputs} is empty")
+    x = samples_for(arrays, inputs, tuple(model_input.shape[1:]), path)
     if x.dtype == np.int8:  # the input's codes: dequantized here, predict quantizes them back exactly
         codes = model_inputs(x, model_input.dtype, model_input.scale, model_input.zero_point, None, str(path))
         x = dequantize(codes, model_input)
