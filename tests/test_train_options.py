@@ -280,7 +280,17 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
     # Training stops after epoch 3's checkpoint and says so: the test waits for that line
     # (a blocking read, no timer), then interrupts it as a user's Ctrl-C would.
     paused = {**env, "EDGEQ_TEST_PAUSE_AFTER_EPOCH": "3"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=paused)
+    # A shell's background job (`make test &`, nohup, CI runners) starts with SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler: give the child SIGINT's default back,
+    # as a terminal would, or it never sees the Ctrl-C and the test waits forever.
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=paused,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     state = out / "checkpoint" / "state.json"
     seen = []
     for line in proc.stderr:
