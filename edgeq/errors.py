@@ -95,3 +95,15 @@ class VerificationMismatch(EdgeqError):
 
 class ConnectionLost(DeviceError):
     """The SSH connection failed or dropped: worth a retry with backoff."""
+
+
+class FleetInterrupted(EdgeqError):
+    """Ctrl-C during a fleet operation: remote commands were stopped, finished devices listed."""
+
+    exit_code = 130
+
+
+class DevicesFailed(EdgeqError):
+    """Some devices of a fleet operation failed (the others finished; the table says which)."""
+
+    exit_code = 5

@@ -123,7 +123,9 @@ def progress_printer(enabled: bool = True):
 
 
 def failed_exit(outcomes) -> None:
+    """Exit 5 (edgeq's device-error code) naming the devices that failed, when any did."""
+    from edgeq.errors import DevicesFailed
+
     failed = [o.device for o in outcomes if o.status != "ok"]
     if failed:
-        click.echo(f"failed on {len(failed)} of {len(outcomes)} device(s): {', '.join(failed)}", err=True)
-        raise SystemExit(1)
+        raise DevicesFailed(f"failed on {len(failed)} of {len(outcomes)} device(s): {', '.join(failed)}")

@@ -74,11 +74,13 @@ def verify(
     if json_out:  # before any exit: a failed or mismatched device is what the file is for
         document = {"kind": "edgeq.verify", "model": model, "data": data, "delegate": delegate, "devices": documents}
         ui.write_json_output(document, json_out)
-    ui.failed_exit(outcomes)
-    if mismatched:
+    if mismatched:  # a mismatch is the answer verify exists for: it wins over a failed device (exit 4)
         from edgeq.errors import VerificationMismatch
 
+        failed = [o.device for o in outcomes if o.status != "ok"]
         raise VerificationMismatch(
             f"{', '.join(mismatched)}: outputs differ from this host's interpreter beyond the tolerance "
             "(bit-exact for integer outputs; set one with --tolerance)"
+            + (f"; also failed: {', '.join(failed)}" if failed else "")
         )
+    ui.failed_exit(outcomes)

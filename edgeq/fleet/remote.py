@@ -12,18 +12,18 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgeq.errors import DeviceError, EdgeqError
+from edgeq.errors import DeviceError, EdgeqError, FleetInterrupted
 from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe
 from edgeq.fleet.inventory import Device
 from edgeq.fleet.push import FileTransfer, push_files
-from edgeq.fleet.transport import Transport, confine, connect
+from edgeq.fleet.transport import CANCEL, Transport, confine, connect
 from edgeq.runtime.inputs import manifest_beside
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,28 @@ def for_each_device(
         on_event(device.name, f"done in {time.monotonic() - start:.1f} s")
         return DeviceOutcome(device.name, "ok", time.monotonic() - start, None, result)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(devices)))) as pool:
-        return list(pool.map(one, devices))
+    CANCEL.clear()
+    pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(devices))))
+    futures = [pool.submit(one, device) for device in devices]
+    try:
+        wait(futures)
+    except KeyboardInterrupt:
+        # Ctrl-C: every running command kills its remote process group and stops; devices
+        # not started yet are not touched; what finished is listed.
+        CANCEL.set()
+        for future in futures:
+            future.cancel()
+        pool.shutdown(wait=True)
+        finished = [f.result() for f in futures if f.done() and not f.cancelled()]
+        done = [o.device for o in finished if o.status == "ok"]
+        raise FleetInterrupted(
+            f"interrupted: remote commands stopped; finished on {len(done)} of {len(devices)} device(s)"
+            + (f": {', '.join(done)}" if done else "")
+        ) from None
+    finally:
+        pool.shutdown(wait=False)
+        CANCEL.clear()
+    return [f.result() for f in futures]
 
 
 def check_device(device: Device, on_event: Event = _noop) -> Probe:

@@ -17,18 +17,31 @@ import logging
 import posixpath
 import shlex
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgeq.artifacts import atomic_path
-from edgeq.errors import ConnectionLost, DeviceError, HostKeyError, MissingExtraError, UnsafePathError
+from edgeq.errors import (
+    ConnectionLost,
+    DeviceError,
+    FleetInterrupted,
+    HostKeyError,
+    MissingExtraError,
+    UnsafePathError,
+)
 from edgeq.fleet.inventory import Device
 
 log = logging.getLogger(__name__)
 
 USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
+PGID_MARK = "edgeq-pgid:"
+_KNOWN_HOSTS_LOCK = threading.Lock()  # devices connect in parallel threads; appends must not interleave
+# Set by the CLI on Ctrl-C (for_each_device): every running command kills its remote process
+# group and stops. One fleet operation runs at a time in a process, so one flag is enough.
+CANCEL = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,29 @@ def shell_command(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd
     if cwd:
         command = f"cd {shlex.quote(cwd)} && {command}"
     return command
+
+
+def in_own_process_group(command: str) -> str:
+    """``command`` in a new session (its own process group), which prints its group id on stderr
+    first, so that a timeout or Ctrl-C can kill everything it started, not only the SSH channel.
+
+    ``setsid -w`` (util-linux, busybox) passes the exit status back; without setsid the
+    command runs as before and only its own process can be killed.
+    """
+    inner = f'printf "{PGID_MARK}%s\\n" "$$" >&2; {command}'
+    quoted = shlex.quote(inner)
+    return f"if command -v setsid >/dev/null 2>&1; then exec setsid -w sh -c {quoted}; else exec sh -c {quoted}; fi"
+
+
+def kill_group_command(pgid: int, grace_s: float = 3.0) -> str:
+    """TERM to the group (or the process), then KILL whatever is left after ``grace_s``."""
+    alive = f"kill -0 -- -{pgid} 2>/dev/null || kill -0 {pgid} 2>/dev/null"
+    steps = max(1, int(grace_s / 0.2))
+    return (
+        f"kill -TERM -- -{pgid} 2>/dev/null || kill -TERM {pgid} 2>/dev/null; "
+        f"i=0; while [ $i -lt {steps} ] && {{ {alive}; }}; do sleep 0.2; i=$((i+1)); done; "
+        f"kill -KILL -- -{pgid} 2>/dev/null; kill -KILL {pgid} 2>/dev/null; exit 0"
+    )
 
 
 def confine(workdir: str, *parts: str) -> str:
@@ -180,9 +216,10 @@ def _make_policy(device: Device):
                     f"then add it: ssh-keyscan -p {device.port} {device.host} >> {save_to}, "
                     "or rerun with --accept-new-host-keys"
                 )
-            save_to.parent.mkdir(parents=True, exist_ok=True)
-            with open(save_to, "a", encoding="utf-8") as fh:
-                fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+            with _KNOWN_HOSTS_LOCK:
+                save_to.parent.mkdir(parents=True, exist_ok=True)
+                with open(save_to, "a", encoding="utf-8") as fh:
+                    fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
             client.get_host_keys().add(hostname, key.get_name(), key)
             log.warning("%s: recorded new host key %s for %s in %s", device.name, fingerprint(key), hostname, save_to)
 
@@ -196,7 +233,11 @@ class SSHTransport(Transport):
         self.device = device
         self._client = None
         self._sftp = None
-        self.connect()
+        try:
+            self.connect()
+        except BaseException:  # a client that connected but failed later (home, ...) is closed, not leaked
+            self.close()
+            raise
 
     def connect(self) -> None:
         paramiko = _paramiko()
@@ -265,15 +306,33 @@ class SSHTransport(Transport):
     def _lost(self, exc: BaseException, what: str) -> ConnectionLost:
         return ConnectionLost(f"{self.device.name}: connection lost during {what}: {exc or type(exc).__name__}")
 
+    def _session(self):
+        """A new SSH channel, or ConnectionLost when there is no live connection."""
+        transport = self._client.get_transport() if self._client is not None else None
+        if transport is None or not transport.is_active():
+            raise ConnectionLost(f"{self.device.name}: not connected")
+        return transport.open_session()
+
+    def _kill(self, pgid: int | None) -> None:
+        """Kill what a stopped command started on the device (its process group)."""
+        if pgid is None:
+            return
+        with contextlib.suppress(Exception):  # best effort: the connection may be the thing that failed
+            channel = self._session()
+            channel.exec_command(kill_group_command(pgid))
+            channel.recv_exit_status()
+            channel.close()
+
     def run(self, argv, *, env=None, cwd=None, timeout=None) -> CommandResult:
         paramiko = _paramiko()
         command = shell_command(argv, env=env, cwd=cwd)
         log.info("%s$ %s", self.device.name, command)
         start = time.monotonic()
         out, err = bytearray(), bytearray()
+        pgid = None
         try:
-            channel = self._client.get_transport().open_session()
-            channel.exec_command(command)
+            channel = self._session()
+            channel.exec_command(in_own_process_group(command))
             deadline = None if timeout is None else start + timeout
             while True:
                 busy = False
@@ -283,13 +342,22 @@ class SSHTransport(Transport):
                 while channel.recv_stderr_ready():
                     err += channel.recv_stderr(65536)
                     busy = True
+                if pgid is None and b"\n" in err and err.startswith(PGID_MARK.encode()):
+                    line, _, rest = bytes(err).partition(b"\n")
+                    pgid, err = int(line[len(PGID_MARK) :]), bytearray(rest)
                 if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
                     break
                 if channel.closed or not channel.get_transport().is_active():
                     raise ConnectionLost("the channel closed before the command finished")
-                if deadline is not None and time.monotonic() > deadline:
+                stop = None
+                if CANCEL.is_set():
+                    stop = FleetInterrupted(f"{self.device.name}: interrupted; {argv[0]} stopped on the device")
+                elif deadline is not None and time.monotonic() > deadline:
+                    stop = DeviceError(f"{self.device.name}: command timed out after {timeout:.0f} s: {argv[0]} ...")
+                if stop is not None and (pgid is not None or time.monotonic() > start + (timeout or 0) + 30):
+                    self._kill(pgid)  # before closing the channel: the remote process would outlive it
                     channel.close()
-                    raise DeviceError(f"{self.device.name}: command timed out after {timeout:.0f} s: {argv[0]} ...")
+                    raise stop
                 if not busy:
                     time.sleep(0.01)
             status = channel.recv_exit_status()
@@ -298,10 +366,12 @@ class SSHTransport(Transport):
             if isinstance(exc, ConnectionLost):
                 raise self._lost(exc, "a command") from exc
             raise
-        except (OSError, paramiko.SSHException, EOFError, AttributeError) as exc:
+        except (OSError, paramiko.SSHException, EOFError) as exc:
             raise self._lost(exc, "a command") from exc
         if status == -1:  # no exit status: the session died (e.g. sshd killed)
             raise ConnectionLost(f"{self.device.name}: the connection dropped while running {argv[0]}")
+        if pgid is None and err.startswith(PGID_MARK.encode()):  # a command that wrote nothing after it
+            err = bytearray(bytes(err).partition(b"\n")[2])
         return CommandResult(
             command=command,
             exit_status=status,

@@ -246,4 +246,6 @@ def edgeq_popen(*args, cwd) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # SIGINT as a terminal gives it, even when the test run is a background job (SIGINT ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -384,3 +385,62 @@ def test_a_wheel_that_would_write_outside_its_folder_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="would leave"):
         extract_wheels(str(tmp_path / "site"), [str(evil)])
     assert not (tmp_path / "outside.txt").exists()
+
+
+def _device_processes(transport, marker: str) -> list[str]:
+    """The device's processes whose command line holds ``marker``, read with ps on the device."""
+    listing = transport.run(["ps", "-eo", "pid,pgid,args"], timeout=60)
+    assert listing.ok, listing.stderr
+    return [line for line in listing.stdout.splitlines() if marker in line and "ps -eo" not in line]
+
+
+@pytest.mark.parametrize("name", ["x86-venv", "pi4-emu"])
+def test_a_command_timeout_kills_the_remote_process_group(fleet, name):
+    """Not only the SSH channel: the command and what it started are gone from the device (ps)."""
+    import uuid
+
+    from edgeq.errors import DeviceError
+    from edgeq.fleet.inventory import load_inventory
+    from edgeq.fleet.transport import connect
+
+    device = load_inventory(fleet.inventory).get(name)
+    marker = f"edgeq-stray-{uuid.uuid4().hex[:8]}"
+    script = "import sys, time; time.sleep(3600)"
+    python = str(PI4_PYTHON)
+    if name == "x86-venv":  # a child that starts a grandchild (a shell holding the marker): both must go
+        script = "import subprocess, sys, time; subprocess.Popen(['sh', '-c', 'sleep 3600; : ' + sys.argv[1]]); " + (
+            "time.sleep(3600)"
+        )
+        python = "python3"
+    with connect(device) as transport:
+        with pytest.raises(DeviceError, match="timed out"):
+            transport.run([python, "-c", script, marker], timeout=3)
+        assert _device_processes(transport, marker) == []
+
+
+def test_ctrl_c_stops_the_remote_profile_and_leaves_no_process(fleet, tmp_path):
+    """Ctrl-C during `profile --on`: exit 130 with one line, and no edgeq profile left on the device."""
+    pushed = edgeq_subprocess("push", INT8, "--to", "x86-venv", "--inventory", fleet.inventory, cwd=tmp_path)
+    assert pushed.returncode == 0, pushed.stderr
+    proc = edgeq_popen(
+        "profile", INT8, "--runs", "5", "--min-seconds", "987", "--on", "x86-venv", "--inventory", fleet.inventory,
+        cwd=tmp_path,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stderr:  # a blocking read of edgeq's own progress lines, no timer
+        seen.append(line)
+        if "x86-venv: profiling" in line:
+            break
+    else:
+        pytest.fail("profile ended before it started profiling: " + "".join(seen))
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    errors = _errors(err)
+    assert len(errors) == 1 and "interrupted" in errors[0] and "finished on 0 of 1" in errors[0], err
+    assert "Traceback" not in err
+    from edgeq.fleet.inventory import load_inventory
+    from edgeq.fleet.transport import connect
+
+    with connect(load_inventory(fleet.inventory).get("x86-venv")) as transport:
+        assert _device_processes(transport, "--min-seconds 987") == []
