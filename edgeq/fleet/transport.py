@@ -12,8 +12,10 @@ from __future__ import annotations
 import abc
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import logging
+import os
 import posixpath
 import shlex
 import socket
@@ -191,6 +193,47 @@ def _paramiko():
     return paramiko
 
 
+def ssh_config_path() -> Path:
+    """The OpenSSH client config edgeq reads (EDGEQ_SSH_CONFIG, else ~/.ssh/config)."""
+    return Path(os.environ.get("EDGEQ_SSH_CONFIG", "~/.ssh/config")).expanduser()
+
+
+def with_ssh_config(device: Device) -> tuple[Device, str | None]:
+    """The device as ~/.ssh/config resolves its host (HostName, Port, User, IdentityFile), and its
+    ProxyJump. What the inventory sets wins, as command-line options win over the config in ssh."""
+    path = ssh_config_path()
+    if not path.is_file():
+        return device, None
+    paramiko = _paramiko()
+    try:
+        found = paramiko.SSHConfig.from_path(str(path)).lookup(device.host)
+    except (OSError, ValueError, paramiko.SSHException) as exc:
+        raise DeviceError(f"{path}: cannot read the SSH config ({exc}); fix it or set EDGEQ_SSH_CONFIG") from exc
+    identities = found.get("identityfile") or []
+    resolved = dataclasses.replace(
+        device,
+        host=found.get("hostname", device.host),
+        port=device.port if device.port != 22 or "port" not in found else int(found["port"]),
+        user=device.user or found.get("user"),
+        identity_file=device.identity_file or (identities[0] if identities else None),
+    )
+    jump = found.get("proxyjump")
+    return resolved, (None if jump in (None, "none") else jump.split(",")[0].strip())
+
+
+def _jump_device(device: Device, spec: str) -> Device:
+    """``[user@]host[:port]`` of a ProxyJump as a device (its own config entry applies too)."""
+    user, _, hostport = spec.rpartition("@")
+    host, _, port = hostport.partition(":")
+    if host.startswith("[") and "]" in hostport:  # [::1]:2222
+        host, _, port = hostport[1:].partition("]")
+        port = port.lstrip(":")
+    return dataclasses.replace(
+        device, name=f"{device.name} (jump {host})", host=host, port=int(port or 22), user=user or None,
+        identity_file=None,
+    )  # fmt: skip
+
+
 def _known_hosts_files(device: Device) -> list[Path]:
     files = [Path(USER_KNOWN_HOSTS).expanduser()]
     if device.known_hosts:
@@ -233,6 +276,7 @@ class SSHTransport(Transport):
         self.device = device
         self._client = None
         self._sftp = None
+        self._jump = None
         try:
             self.connect()
         except BaseException:  # a client that connected but failed later (home, ...) is closed, not leaked
@@ -241,7 +285,16 @@ class SSHTransport(Transport):
 
     def connect(self) -> None:
         paramiko = _paramiko()
-        device = self.device
+        device, jump = with_ssh_config(self.device)
+        sock = None
+        if jump is not None:  # ProxyJump: a direct-tcpip channel through the jump host is the socket
+            self._jump = SSHTransport(_jump_device(device, jump))
+            try:
+                sock = self._jump._client.get_transport().open_channel(
+                    "direct-tcpip", (device.host, device.port), ("127.0.0.1", 0), timeout=device.connect_timeout
+                )
+            except (OSError, paramiko.SSHException, EOFError) as exc:
+                raise ConnectionLost(f"{device.name}: cannot reach {device.address} through {jump}: {exc}") from exc
         client = paramiko.SSHClient()
         for path in _known_hosts_files(device):
             if path.is_file():
@@ -263,6 +316,7 @@ class SSHTransport(Transport):
                 banner_timeout=device.connect_timeout,
                 auth_timeout=device.connect_timeout,
                 password=None,
+                sock=sock,
             )
         except HostKeyError:
             client.close()
@@ -418,11 +472,11 @@ class SSHTransport(Transport):
             raise DeviceError(f"{self.device.name}: cannot create {path}: {result.last_error_line()}")
 
     def close(self) -> None:
-        for thing in (self._sftp, self._client):
+        for thing in (self._sftp, self._client, self._jump):
             if thing is not None:
                 with contextlib.suppress(Exception):  # closing a dead connection may raise anything
                     thing.close()
-        self._sftp = self._client = None
+        self._sftp = self._client = self._jump = None
 
 
 def connect(device: Device, attempts: int = 3, backoff_s: float = 0.5) -> Transport:

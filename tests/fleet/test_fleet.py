@@ -444,3 +444,36 @@ def test_ctrl_c_stops_the_remote_profile_and_leaves_no_process(fleet, tmp_path):
 
     with connect(load_inventory(fleet.inventory).get("x86-venv")) as transport:
         assert _device_processes(transport, "--min-seconds 987") == []
+
+
+def test_ssh_config_host_alias_and_proxyjump(fleet, tmp_path, monkeypatch):
+    """~/.ssh/config (here EDGEQ_SSH_CONFIG) resolves HostName, Port, User, IdentityFile and ProxyJump."""
+    from edgeq.fleet.inventory import load_inventory
+    from edgeq.fleet.transport import connect
+
+    port = fleet.sshd.port
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        f"Host pi-desk\n  HostName 127.0.0.1\n  Port {port}\n  User root\n  IdentityFile {fleet.client_key}\n\n"
+        f"Host pi-behind-jump\n  HostName 127.0.0.1\n  Port {port}\n  User root\n  IdentityFile {fleet.client_key}\n"
+        f"  ProxyJump root@127.0.0.1:{port}\n\n"
+        f"Host 127.0.0.1\n  IdentityFile {fleet.client_key}\n"
+    )
+    monkeypatch.setenv("EDGEQ_SSH_CONFIG", str(config))
+    inventory = tmp_path / "devices.toml"
+    inventory.write_text(
+        f'[defaults]\nknown_hosts = "{fleet.known_hosts}"\n\n[devices.desk]\nhost = "pi-desk"\n\n'
+        '[devices.behind]\nhost = "pi-behind-jump"\n'
+    )
+    for name in ("desk", "behind"):
+        with connect(load_inventory(inventory).get(name)) as transport:
+            result = transport.run(["sh", "-c", "echo $SSH_CONNECTION"], timeout=60)
+            assert result.ok, result.stderr
+            assert result.stdout.split()[2:4] == ["127.0.0.1", str(port)]  # reached the sshd the config names
+            if name == "behind":
+                assert transport._jump is not None  # through the jump host's direct-tcpip channel
+    monkeypatch.setenv("EDGEQ_SSH_CONFIG", str(tmp_path / "none"))
+    from edgeq.errors import DeviceError
+
+    with pytest.raises(DeviceError):  # without the config, "pi-desk" is not a host this machine knows
+        connect(load_inventory(inventory).get("desk"), attempts=1)
