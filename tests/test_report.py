@@ -173,3 +173,25 @@ def test_sensitivity_and_plan_sections(cli, digits_run, tmp_path):
     assert set(layers) >= {"conv1", "conv2", "conv3", "logits"}
     assert 'id="sensitivity"' in html and "data:image/svg+xml;base64," in html
     assert 'id="models"' not in html and 'id="training"' not in html  # no data, no section
+
+
+def test_a_device_that_throttled_fails_the_page(cli, tmp_path, monkeypatch):
+    """A fleet profile (results/DEVICE/*.profile.json) taken while the device throttled: flagged at the top."""
+    import os
+
+    from edgeq.report import collect
+    from edgeq.report.build import render
+
+    from .runtime.conftest import INT8
+    from .runtime.test_cli import _pi_like
+
+    sysfs, bin_dir = _pi_like(tmp_path, ["0x0", "0x20002"])
+    monkeypatch.setenv("EDGEQ_SYSFS", str(sysfs))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "results" / "pi-hot" / "tiny_int8.profile.json"
+    out.parent.mkdir(parents=True)
+    assert cli("profile", INT8, "--runs", "5", "--json", out).exit_code == 0
+    html, context = render(collect([tmp_path / "results"]))
+    assert context["verdict"]["status"] == "fail" and "pi-hot throttled" in context["verdict"]["headline"]
+    (row,) = context["fleet"]
+    assert row["device"] == "pi-hot" and row["throttled"] == "THROTTLED" and row["temperature_c"] == "61.2 → 61.2"

@@ -45,8 +45,15 @@ def render(report) -> str:
         f"cpu      {env.cpu_model}, {env.cores} cores ({env.cores_available} available), "
         f"governor {env.governor or 'n/a'}",
         f"ops      {ops.total} (int8 {100 * ops.int8_share:.0f}%, float {100 * ops.float_share:.0f}%): {by_type}",
-        "",
     ]
+    t = report.thermal
+    if t is not None and (t.before.temperature_c is not None or t.before.throttled is not None):
+        temps = f"{t.before.temperature_c} -> {t.after.temperature_c} C" if t.before.temperature_c is not None else ""
+        flags = f"throttle flags {t.before.throttled} -> {t.after.throttled}" if t.before.throttled else ""
+        lines.append(f"thermal  {', '.join(x for x in (temps, flags) if x)}")
+        if t.throttled_during:
+            lines.append("WARNING  the device throttled during the timed runs: these latencies are not its normal ones")
+    lines.append("")
     headers = ["model", "threads", "init ms", "first ms", "mean", "median", "p90", "p99", "std", "min", "max"]
     headers += ["inf/s", "RSS load MiB", "RSS run MiB"]
     rows = []

@@ -77,8 +77,8 @@ MODEL_FIELDS = (
     "median_ms", "p90_ms", "speedup", "rss_mb", "threads", "integer_only", "verified", "data",
 )  # fmt: skip
 DEVICE_FIELDS = (
-    "machine", "runtime", "model", "median_ms", "p90_ms", "accuracy", "temperature_c", "governor", "verify",
-    "verify_ok", "top1_agreement",
+    "machine", "runtime", "model", "median_ms", "p90_ms", "accuracy", "temperature_c", "throttled", "governor",
+    "verify", "verify_ok", "top1_agreement",
 )  # fmt: skip
 
 
@@ -392,6 +392,16 @@ def _fleet(sources: Sources) -> tuple[list[dict], list[Check]]:
             temperature_c=env.get("temperature_c"),
             governor=env.get("governor"),
         )
+        thermal = d.get("thermal") or {}
+        if thermal:
+            row = devices[doc.device]
+            before, after = thermal.get("before") or {}, thermal.get("after") or {}
+            if before.get("temperature_c") is not None:
+                row["temperature_c"] = f"{before['temperature_c']:.1f} → {after.get('temperature_c', float('nan')):.1f}"
+            row["throttled"] = {True: "THROTTLED", False: "no", None: "n/a"}[thermal.get("throttled_during")]
+            if thermal.get("throttled_during"):
+                text = f"device {doc.device} throttled during the timed runs: its latency is not its own"
+                checks.append(Check(False, text))
     for doc in sources.of("verify"):
         for v in doc.data.get("devices") or []:
             row = devices.setdefault(v["device"], {"device": v["device"]})

@@ -15,6 +15,8 @@ import math
 import os
 import platform
 import resource
+import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -182,6 +184,24 @@ class ProfileSettings:
 
 
 @dataclass(frozen=True)
+class ThermalState:
+    """What the device's thermals say at one moment (None: not readable on this device)."""
+
+    temperature_c: float | None  # the hottest thermal zone
+    cpu_mhz: float | None  # cpu0's current frequency
+    throttled: str | None  # Raspberry Pi firmware flags (`vcgencmd get_throttled`), e.g. "0x0"
+
+
+@dataclass(frozen=True)
+class Thermal:
+    """Before and after the timed runs; whether the device throttled in between."""
+
+    before: ThermalState
+    after: ThermalState
+    throttled_during: bool | None  # None: this device does not report throttling (no vcgencmd)
+
+
+@dataclass(frozen=True)
 class ProfileReport:
     schema: str
     edgeq_version: str
@@ -193,6 +213,7 @@ class ProfileReport:
     agreement: Agreement | None
     comparison: tuple[Comparison, ...]
     data: DataInfo | None
+    thermal: Thermal | None = None
 
 
 # ------------------------------------------------------------------ environment
@@ -244,6 +265,50 @@ def collect_environment(runtime: str, runtime_version: str) -> Environment:
         edgeq_version=__version__,
         hostname=platform.node(),
     )
+
+
+def _sysfs() -> Path:
+    return Path(os.environ.get("EDGEQ_SYSFS", "/sys"))
+
+
+def thermal_state() -> ThermalState:
+    """Temperature (hottest zone), cpu0 frequency and, on a Raspberry Pi, the firmware's throttle flags."""
+    temps = []
+    for zone in sorted((_sysfs() / "class" / "thermal").glob("thermal_zone*/temp")):
+        text = _read(str(zone))
+        if text and text.lstrip("-").isdigit():
+            temps.append(int(text) / 1000)
+    freq = _read(str(_sysfs() / "devices" / "system" / "cpu" / "cpu0" / "cpufreq" / "scaling_cur_freq"))
+    throttled = None
+    vcgencmd = shutil.which("vcgencmd")
+    if vcgencmd:
+        try:
+            out = subprocess.run([vcgencmd, "get_throttled"], capture_output=True, text=True, timeout=10).stdout
+            throttled = out.strip().partition("=")[2] or None  # "throttled=0x50005"
+        except (OSError, subprocess.SubprocessError):
+            throttled = None
+    return ThermalState(
+        temperature_c=round(max(temps), 1) if temps else None,
+        cpu_mhz=round(int(freq) / 1000, 1) if freq and freq.isdigit() else None,
+        throttled=throttled,
+    )
+
+
+# vcgencmd get_throttled: bit 1 ARM frequency capped, bit 2 throttled, bit 3 soft temperature limit
+# (now); bits 17, 18, 19 the same "has occurred since boot".
+_THROTTLE_NOW, _THROTTLE_SINCE_BOOT = 0b1110, 0b1110 << 16
+
+
+def throttled_between(before: ThermalState, after: ThermalState) -> bool | None:
+    """True when the firmware capped or throttled the CPU between the two readings."""
+    if before.throttled is None or after.throttled is None:
+        return None
+    try:
+        first, last = int(before.throttled, 16), int(after.throttled, 16)
+    except ValueError:
+        return None
+    new_since_boot = (last & _THROTTLE_SINCE_BOOT) & ~(first & _THROTTLE_SINCE_BOOT)
+    return bool(last & _THROTTLE_NOW or new_since_boot)
 
 
 # ----------------------------------------------------------------------- memory
@@ -595,6 +660,7 @@ def profile_model(
     elif labels is not None:
         raise UsageError("--labels needs --data")
 
+    before = thermal_state()  # a throttling device's latency is not its latency: read it around the runs
     main, outputs = _profile_one(model_path, threads, dataset, {**common, "delegate": delegate})
     reference = ref_outputs = agreement = None
     if compare is not None:
@@ -636,6 +702,7 @@ def profile_model(
                 )
             )
 
+    after = thermal_state()
     backend, version = _backend_of(runtime)
     return ProfileReport(
         schema=SCHEMA,
@@ -655,6 +722,7 @@ def profile_model(
         agreement=agreement,
         comparison=tuple(comparison),
         data=dataset.info if dataset is not None else None,
+        thermal=Thermal(before, after, throttled_between(before, after)),
     )
 
 

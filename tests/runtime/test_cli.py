@@ -131,3 +131,51 @@ def test_device_commands_never_import_tensorflow(command):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "TF_FREE" in proc.stdout and "TF_LOADED" not in proc.stdout
+
+
+def _pi_like(tmp_path, flags: list[str]):
+    """A Raspberry Pi's thermal interfaces as files: sysfs zones and cpufreq, and a `vcgencmd`
+    that answers get_throttled with ``flags`` in turn (this machine has neither)."""
+    sysfs = tmp_path / "sys"
+    for zone, milli in (("thermal_zone0", "61234"), ("thermal_zone1", "55000")):
+        (sysfs / "class" / "thermal" / zone).mkdir(parents=True)
+        (sysfs / "class" / "thermal" / zone / "temp").write_text(milli + "\n")
+    (sysfs / "devices/system/cpu/cpu0/cpufreq").mkdir(parents=True)
+    (sysfs / "devices/system/cpu/cpu0/cpufreq/scaling_cur_freq").write_text("1500000\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    answers = tmp_path / "answers"
+    answers.write_text("\n".join(flags) + "\n")
+    script = bin_dir / "vcgencmd"
+    script.write_text(
+        f'#!/bin/sh\n[ "$1" = get_throttled ] || exit 1\nhead -n 1 "{answers}" | sed "s/^/throttled=/"\n'
+        f'sed -i 1d "{answers}"\n'
+    )
+    script.chmod(0o755)
+    return sysfs, bin_dir
+
+
+@pytest.mark.parametrize("flags, throttled", [(["0x0", "0x20002"], True), (["0x50000", "0x50000"], False)])
+def test_profile_reads_thermals_before_and_after_and_flags_throttling(run_cli, tmp_path, monkeypatch, flags, throttled):
+    import os
+
+    sysfs, bin_dir = _pi_like(tmp_path, flags)
+    monkeypatch.setenv("EDGEQ_SYSFS", str(sysfs))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "p.json"
+    result = run_cli("profile", INT8, "--runs", "5", "--json", out)
+    assert result.exit_code == 0, result.output
+    thermal = json.loads(out.read_text())["thermal"]
+    assert thermal["before"] == {"temperature_c": 61.2, "cpu_mhz": 1500.0, "throttled": flags[0]}
+    assert thermal["after"]["throttled"] == flags[1]
+    # 0x20002: capped now, and since boot; 0x50000: under-voltage and throttling before the run, not in it
+    assert thermal["throttled_during"] is throttled
+    assert ("WARNING  the device throttled" in result.stdout) is throttled
+    assert "thermal  61.2 -> 61.2 C" in result.stdout
+
+
+def test_profile_without_throttle_flags_says_it_cannot_tell(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no vcgencmd, as on this machine and most non-Pi boards
+    out = tmp_path / "p.json"
+    assert run_cli("profile", INT8, "--runs", "5", "--json", out).exit_code == 0
+    assert json.loads(out.read_text())["thermal"]["throttled_during"] is None
