@@ -107,3 +107,9 @@ class DevicesFailed(EdgeqError):
     """Some devices of a fleet operation failed (the others finished; the table says which)."""
 
     exit_code = 5
+
+
+class RolloutStopped(EdgeqError):
+    """More devices failed than --max-fail allows: the devices of later batches were not touched."""
+
+    exit_code = 6

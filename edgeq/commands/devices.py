@@ -9,8 +9,8 @@ from edgeq.commands.ui import (
     host_key_option,
     human_bytes,
     inventory_option,
-    parallel_option,
     progress_printer,
+    rollout_options,
     select_devices,
     table,
 )
@@ -39,18 +39,18 @@ def list_devices(inventory_path: str | None) -> None:
 @click.argument("targets", nargs=-1, metavar="[NAME|tag:X|all]...")
 @inventory_option
 @host_key_option
-@parallel_option
-def check(targets, inventory_path, accept_new_host_keys, parallel) -> None:
+@rollout_options
+def check(targets, inventory_path, accept_new_host_keys, rollout) -> None:
     """Connect to each device; report arch, OS, Python, runtime, numpy, free disk, Edge TPU."""
     from edgeq.fleet.remote import check_device, for_each_device
 
     chosen = select_devices(inventory_path, targets, accept_new_host_keys)
-    outcomes = for_each_device(chosen, check_device, parallel=parallel, on_event=progress_printer())
+    outcomes = for_each_device(chosen, check_device, rollout=rollout, on_event=progress_printer())
     rows = []
     for o in outcomes:
         p = o.result
         if p is None:
-            rows.append([o.device, "failed", "-", "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([o.device, o.status, "-", "-", "-", "-", "-", "-", "-", "-"])
             continue
         runtime = f"{p.runtime} {p.runtime_version}" if p.runtime else "none"
         free = human_bytes(p.free_bytes) if p.free_bytes is not None else "?"

@@ -12,9 +12,9 @@ from edgeq.commands.ui import (
     human_bytes,
     inventory_option,
     ms,
-    parallel_option,
     pct,
     progress_printer,
+    rollout_options,
     select_devices,
     table,
     write_json_output,
@@ -120,7 +120,7 @@ def render(report) -> str:
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on long runs).")
 @click.option("--on", "on_targets", multiple=True, metavar="NAME|tag:X|all", help="Run on these devices over SSH.")
 @inventory_option(help="Device inventory (with --on).")
-@parallel_option
+@rollout_options
 @click.option("--results", "results_dir", default="results", show_default=True, help="With --on: JSON to DIR/DEVICE/.")
 @host_key_option(help="With --on: record unknown host keys (changed ones fail).")
 def profile(
@@ -138,7 +138,7 @@ def profile(
     progress: bool | None,
     on_targets: tuple[str, ...] = (),
     inventory_path: str | None = None,
-    parallel: int = 4,
+    rollout=None,
     results_dir: str = "results",
     accept_new_host_keys: bool = False,
 ) -> None:
@@ -164,7 +164,7 @@ def profile(
             runtime=runtime,
             compare=compare,
         )
-        _profile_fleet(model, options, on_targets, inventory_path, parallel, results_dir, accept_new_host_keys)
+        _profile_fleet(model, options, on_targets, inventory_path, rollout, results_dir, accept_new_host_keys)
         return
     from edgeq.runtime.profile import profile_model, report_to_dict
 
@@ -186,7 +186,7 @@ def profile(
         write_json_output(report_to_dict(report), json_out)
 
 
-def _profile_fleet(model, options, targets, inventory_path, parallel, results_dir, accept_new) -> None:
+def _profile_fleet(model, options, targets, inventory_path, rollout, results_dir, accept_new) -> None:
     """``edgeq profile --on``: bounded parallelism, failures contained, non-zero exit if any failed."""
     from edgeq.errors import ModelLoadError
     from edgeq.fleet.remote import for_each_device, profile_on
@@ -198,14 +198,14 @@ def _profile_fleet(model, options, targets, inventory_path, parallel, results_di
     outcomes = for_each_device(
         chosen,
         lambda device, on_event: profile_on(device, model, options, results_dir, on_event),
-        parallel=parallel,
+        rollout=rollout,
         on_event=progress_printer(),
     )
     rows = []
     for o in outcomes:
         r = o.result
         if r is None:
-            rows.append([o.device, "failed", "-", "-", "-", "-", "-", f"{o.seconds:.1f}", o.error or ""])
+            rows.append([o.device, o.status, "-", "-", "-", "-", "-", f"{o.seconds:.1f}", o.error or ""])
             continue
         rows.append(
             [

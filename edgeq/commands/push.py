@@ -12,12 +12,12 @@ from edgeq.commands import ui
 @click.option("--to", "targets", multiple=True, required=True, help="NAME, tag:X or all (repeat or comma-separate).")
 @ui.inventory_option
 @ui.host_key_option
-@ui.parallel_option
+@ui.rollout_options
 @click.option("--wheel", metavar="WHEEL", help="edgeq wheel to install (default: built from this checkout).")
 @click.option(
     "--wheels", "wheels_dir", metavar="DIR", help="Dependency wheels for offline devices (default: pip download)."
 )
-def push(files, targets, inventory_path, accept_new_host_keys, parallel, wheel, wheels_dir) -> None:
+def push(files, targets, inventory_path, accept_new_host_keys, rollout, wheel, wheels_dir) -> None:
     """Upload MODEL... (any files) to each device's work directory, checked by sha256."""
     from edgeq.fleet.remote import for_each_device, push_to
 
@@ -25,13 +25,13 @@ def push(files, targets, inventory_path, accept_new_host_keys, parallel, wheel, 
     outcomes = for_each_device(
         chosen,
         lambda device, on_event: push_to(device, files, on_event, wheel=wheel, wheels_dir=wheels_dir),
-        parallel=parallel,
+        rollout=rollout,
         on_event=ui.progress_printer(),
     )
     rows = []
     for o in outcomes:
         if o.result is None:
-            rows.append([o.device, "failed", "-", "-", "-", f"{o.seconds:.1f}", o.error or ""])
+            rows.append([o.device, o.status, "-", "-", "-", f"{o.seconds:.1f}", o.error or ""])
             continue
         up = sum(1 for f in o.result.files if f.status == "uploaded")
         same = sum(1 for f in o.result.files if f.status == "unchanged")

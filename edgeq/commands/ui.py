@@ -5,6 +5,7 @@ Device-side commands (``profile``, ``inspect``) use it too: it imports click onl
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -93,10 +94,29 @@ def host_key_option(
     return option(f) if f is not None else option
 
 
-def parallel_option(f):
-    return click.option(
-        "--parallel", "-j", default=4, show_default=True, type=click.IntRange(1, 64), help="Devices at once."
-    )(f)
+def rollout_options(f):
+    """--parallel, --batch and --max-fail, handed to the command as one ``rollout`` (fleet.remote.Rollout)."""
+
+    @functools.wraps(f)
+    def command(*args, parallel, batch, max_fail, **kwargs):
+        from edgeq.fleet.rollout import Rollout
+
+        return f(*args, rollout=Rollout(parallel, batch, max_fail), **kwargs)
+
+    options = [
+        click.option(
+            "--parallel", "-j", default=4, show_default=True, type=click.IntRange(1, 64), help="Devices at once."
+        ),
+        click.option("--batch", metavar="N|P%", help="Go through the devices in batches of this size (default: one)."),
+        click.option(
+            "--max-fail",
+            metavar="N|P%",
+            help="Stop the rollout once more devices than this have failed; later batches are not touched.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def select_devices(inventory_path: str | None, targets, accept_new: bool = False):
@@ -123,9 +143,15 @@ def progress_printer(enabled: bool = True):
 
 
 def failed_exit(outcomes) -> None:
-    """Exit 5 (edgeq's device-error code) naming the devices that failed, when any did."""
-    from edgeq.errors import DevicesFailed
+    """Exit 6 when a rollout stopped at its failure budget, 5 when some devices failed (naming them)."""
+    from edgeq.errors import DevicesFailed, RolloutStopped
 
-    failed = [o.device for o in outcomes if o.status != "ok"]
+    failed = [o.device for o in outcomes if o.status == "failed"]
+    skipped = [o.device for o in outcomes if o.status == "skipped"]
+    if skipped:
+        raise RolloutStopped(
+            f"rollout stopped: failed on {len(failed)} device(s) ({', '.join(failed)}), over the --max-fail budget; "
+            f"{len(skipped)} of {len(outcomes)} not attempted"
+        )
     if failed:
         raise DevicesFailed(f"failed on {len(failed)} of {len(outcomes)} device(s): {', '.join(failed)}")

@@ -25,9 +25,9 @@ from edgeq.commands import ui
 @click.option("--json", "json_out", metavar="OUT", help="Write every device's result as JSON here (for edgeq report).")
 @ui.inventory_option
 @ui.host_key_option
-@ui.parallel_option
+@ui.rollout_options
 def verify(
-    model, targets, data, inputs, limit, tolerance, delegate, json_out, inventory_path, accept_new_host_keys, parallel
+    model, targets, data, inputs, limit, tolerance, delegate, json_out, inventory_path, accept_new_host_keys, rollout
 ):
     """Run the same inputs on each device and on this host's interpreter; report agreement."""
     from edgeq.fleet.remote import for_each_device, verify_on
@@ -38,15 +38,15 @@ def verify(
         lambda device, on_event: verify_on(
             device, model, data, inputs=inputs, limit=limit or None, delegate=delegate, on_event=on_event
         ),
-        parallel=parallel,
+        rollout=rollout,
         on_event=ui.progress_printer(),
     )
     rows, mismatched, documents = [], [], []
     for o in outcomes:
         r = o.result
         if r is None:
-            rows.append([o.device, "failed", "-", "-", "-", "-", "-", o.error or ""])
-            documents.append({"device": o.device, "status": "failed", "seconds": o.seconds, "error": o.error})
+            rows.append([o.device, o.status, "-", "-", "-", "-", "-", o.error or ""])
+            documents.append({"device": o.device, "status": o.status, "seconds": o.seconds, "error": o.error})
             continue
         allowed = tolerance if tolerance is not None else (0.0 if r.output_dtype.startswith(("int", "uint")) else 1e-5)
         ok = r.bit_exact or r.max_abs_diff <= allowed

@@ -23,6 +23,7 @@ from edgeq.errors import DeviceError, EdgeqError, FleetInterrupted
 from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe
 from edgeq.fleet.inventory import Device
 from edgeq.fleet.push import FileTransfer, push_files
+from edgeq.fleet.rollout import Rollout
 from edgeq.fleet.transport import CANCEL, Transport, confine, connect
 from edgeq.runtime.inputs import manifest_beside
 
@@ -103,9 +104,17 @@ def for_each_device(
     *,
     parallel: int = 4,
     on_event: Event | None = None,
+    rollout: Rollout | None = None,
 ) -> list[DeviceOutcome]:
-    """Run ``work(device, on_event)`` on every device, ``parallel`` at a time, failures contained."""
+    """Run ``work(device, on_event)`` on every device, failures contained, batch by batch.
+
+    Outcomes come back in the devices' order; a device that a stopped rollout never reached is
+    "skipped". Ctrl-C stops the running commands (remote process groups killed) and raises
+    FleetInterrupted naming the devices that finished.
+    """
     on_event = on_event or _noop
+    rollout = rollout or Rollout(parallel=parallel)
+    budget = rollout.budget(len(devices))
 
     def one(device: Device) -> DeviceOutcome:
         start = time.monotonic()
@@ -123,10 +132,22 @@ def for_each_device(
         return DeviceOutcome(device.name, "ok", time.monotonic() - start, None, result)
 
     CANCEL.clear()
-    pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(devices))))
-    futures = [pool.submit(one, device) for device in devices]
+    outcomes: list[DeviceOutcome] = []
+    pool = ThreadPoolExecutor(max_workers=max(1, min(rollout.parallel, len(devices))))
+    futures = []
     try:
-        wait(futures)
+        for batch in rollout.batches(devices):
+            failed = sum(o.status == "failed" for o in outcomes)
+            if budget is not None and failed > budget:
+                reason = f"not attempted: the rollout stopped after {failed} failed device(s) (--max-fail "
+                reason += f"{rollout.max_fail})"
+                for device in batch:
+                    on_event(device.name, "skipped (rollout stopped)")
+                    outcomes.append(DeviceOutcome(device.name, "skipped", 0.0, reason))
+                continue
+            futures = [pool.submit(one, device) for device in batch]
+            wait(futures)
+            outcomes += [f.result() for f in futures]
     except KeyboardInterrupt:
         # Ctrl-C: every running command kills its remote process group and stops; devices
         # not started yet are not touched; what finished is listed.
@@ -134,7 +155,7 @@ def for_each_device(
         for future in futures:
             future.cancel()
         pool.shutdown(wait=True)
-        finished = [f.result() for f in futures if f.done() and not f.cancelled()]
+        finished = outcomes + [f.result() for f in futures if f.done() and not f.cancelled()]
         done = [o.device for o in finished if o.status == "ok"]
         raise FleetInterrupted(
             f"interrupted: remote commands stopped; finished on {len(done)} of {len(devices)} device(s)"
@@ -143,7 +164,7 @@ def for_each_device(
     finally:
         pool.shutdown(wait=False)
         CANCEL.clear()
-    return [f.result() for f in futures]
+    return outcomes
 
 
 def check_device(device: Device, on_event: Event = _noop) -> Probe:

@@ -477,3 +477,33 @@ def test_ssh_config_host_alias_and_proxyjump(fleet, tmp_path, monkeypatch):
 
     with pytest.raises(DeviceError):  # without the config, "pi-desk" is not a host this machine knows
         connect(load_inventory(inventory).get("desk"), attempts=1)
+
+
+def test_max_fail_stops_the_rollout_and_leaves_later_batches_untouched(cli, fleet, tmp_path):
+    """--batch 1 --max-fail 1: two dead devices first, then the rollout stops (exit 6); with a
+    budget of 50% of 4 it goes on to the end and only the failures are reported (exit 5)."""
+    from .conftest import free_port
+
+    text = fleet.inventory.read_text()
+    x86_block = text[text.index("[devices.x86-venv]") : text.index("[devices.pi4-emu]")]
+    dead = [
+        x86_block.replace("[devices.x86-venv]", f"[devices.dead{i}]").replace(
+            f"port = {fleet.sshd.port}", f"port = {free_port()}"
+        )
+        for i in (1, 2, 3)
+    ]
+    inventory = tmp_path / "devices.toml"
+    known = f'[defaults]\nknown_hosts = "{fleet.known_hosts}"\n\n'
+    inventory.write_text(known + dead[0] + "\n" + dead[1] + "\n" + x86_block + "\n" + dead[2])
+    stopped = cli("devices", "check", "all", "--inventory", inventory, "-j", "1", "--batch", "1", "--max-fail", "1")
+    assert stopped.exit_code == 6, stopped.output
+    rows = {line.split()[0]: line.split()[1] for line in stopped.stdout.splitlines()[1:] if line.split()}
+    assert rows == {"dead1": "failed", "dead2": "failed", "x86-venv": "skipped", "dead3": "skipped"}
+    errors = _errors(stopped.stderr)
+    assert len(errors) == 1 and "rollout stopped" in errors[0] and "2 of 4 not attempted" in errors[0]
+
+    finished = cli("devices", "check", "all", "--inventory", inventory, "--batch", "2", "--max-fail", "50%")
+    assert finished.exit_code == 5, finished.output
+    rows = {line.split()[0]: line.split()[1] for line in finished.stdout.splitlines()[1:] if line.split()}
+    assert rows == {"dead1": "failed", "dead2": "failed", "x86-venv": "ok", "dead3": "failed"}
+    assert "failed on 3 of 4 device(s): dead1, dead2, dead3" in finished.stderr
