@@ -17,11 +17,33 @@ from edgeq.commands import ui
 @click.option(
     "--wheels", "wheels_dir", metavar="DIR", help="Dependency wheels for offline devices (default: pip download)."
 )
-def push(files, targets, inventory_path, accept_new_host_keys, rollout, wheel, wheels_dir) -> None:
-    """Upload MODEL... (any files) to each device's work directory, checked by sha256."""
-    from edgeq.fleet.remote import for_each_device, push_to
+@click.option(
+    "--rollback",
+    is_flag=True,
+    help="Make the previous version of each named MODEL live again on the devices (push keeps one).",
+)
+def push(files, targets, inventory_path, accept_new_host_keys, rollout, wheel, wheels_dir, rollback) -> None:
+    """Upload MODEL... (any files) to each device's work directory, checked by sha256.
+
+    A file that replaces another keeps the replaced version on the device; --rollback swaps
+    them back. WORKDIR/models/.edgeq-live.json says which version of each file is live.
+    """
+    from edgeq.fleet.remote import for_each_device, push_to, rollback_on
 
     chosen = ui.select_devices(inventory_path, targets, accept_new_host_keys)
+    if rollback:
+        outcomes = for_each_device(
+            chosen, lambda device, on_event: rollback_on(device, files, on_event), rollout=rollout,
+            on_event=ui.progress_printer(),
+        )  # fmt: skip
+        rows = [
+            [o.device, o.status, ", ".join(r.name for r in o.result or []) or "-",
+             ", ".join((r.live_sha256 or "?")[:12] for r in o.result or []) or "-", f"{o.seconds:.1f}", o.error or ""]
+            for o in outcomes
+        ]  # fmt: skip
+        click.echo(ui.table(["device", "status", "rolled back", "live sha256", "seconds", "error"], rows, numbers=True))
+        ui.failed_exit(outcomes)
+        return
     outcomes = for_each_device(
         chosen,
         lambda device, on_event: push_to(device, files, on_event, wheel=wheel, wheels_dir=wheels_dir),

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from edgeq.artifacts import sha256_file
@@ -24,6 +26,8 @@ log = logging.getLogger(__name__)
 
 DEVICE_SCRIPT = Path(__file__).with_name("device.py")
 PART_MARK = ".part-"
+PREVIOUS = ".previous"  # WORKDIR/models/.previous/NAME: the version a push replaced (push --rollback)
+LIVE = ".edgeq-live.json"  # WORKDIR/models/.edgeq-live.json: which version of each file is live
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ def push_files(
                     raise TransferError(
                         f"{transport.device.name}: {path.name}: sha256 on the device {got} != {digest}; not renamed"
                     )
+                if there.get(target) is not None:  # keep the version being replaced, for --rollback
+                    keep_previous(transport, folder, target)
                 transport.rename(part, target)
             except BaseException:
                 with contextlib.suppress(Exception):  # the connection may be gone; the next push cleans up
@@ -133,4 +139,84 @@ def push_files(
         retry(upload_once, attempts=attempts, backoff_s=backoff_s, what=f"upload {path.name}", on_retry=reconnect)
         log.info("%s: %s uploaded (%d bytes)", transport.device.name, path.name, size)
         records.append(FileTransfer(path.name, target, digest, size, "uploaded", time.monotonic() - start, tries["n"]))
+    live = read_live(transport, folder)
+    for record in records:
+        if record.status == "uploaded":
+            old = there.get(record.remote_path)
+            live[record.name] = {"sha256": record.sha256, "previous_sha256": old, "since": _now()}
+        else:
+            live.setdefault(record.name, {"sha256": record.sha256, "previous_sha256": None, "since": _now()})
+    write_live(transport, folder, live)
     return records
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def keep_previous(transport: Transport, folder: str, target: str) -> None:
+    """A hard link to the live version in .previous/, made before the new version replaces it."""
+    previous = confine(folder, PREVIOUS)
+    transport.makedirs(previous)
+    result = transport.run(["ln", "-f", "--", target, confine(previous, Path(target).name)], timeout=60)
+    if not result.ok:
+        raise DeviceError(f"{transport.device.name}: cannot keep the previous {target}: {result.last_error_line()}")
+
+
+def read_live(transport: Transport, folder: str) -> dict:
+    """The device's record of which version of each file is live ({} when there is none)."""
+    result = transport.run(["cat", "--", confine(folder, LIVE)], timeout=60)
+    try:
+        data = json.loads(result.stdout) if result.ok else {}
+    except ValueError:
+        data = {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_live(transport: Transport, folder: str, live: dict) -> None:
+    """Write .edgeq-live.json on the device atomically (temporary name, then rename)."""
+    with tempfile.TemporaryDirectory(prefix="edgeq-live-") as tmp:
+        local = Path(tmp) / LIVE
+        local.write_text(json.dumps(live, indent=2, sort_keys=True), encoding="utf-8")
+        part = confine(folder, f"{LIVE}{PART_MARK}{uuid.uuid4().hex[:12]}")
+        transport.upload(local, part)
+        transport.rename(part, confine(folder, LIVE))
+
+
+@dataclass(frozen=True)
+class Rollback:
+    name: str
+    live_sha256: str | None  # what is live now (the version that was previous)
+    previous_sha256: str | None  # what was live before the rollback (now kept as previous)
+
+
+def rollback_files(transport: Transport, names: list[str], subdir: str = "models") -> list[Rollback]:
+    """Make the previous version of each file live again; the replaced one becomes the previous.
+
+    NAME never disappears: the live version is hard-linked aside, then the previous one is
+    renamed over NAME (atomic), then the aside link becomes the new previous.
+    """
+    folder = confine(transport.expand(transport.device.workdir), subdir)
+    previous = confine(folder, PREVIOUS)
+    kept = set(transport.listdir(previous))
+    missing = [n for n in names if safe_name(n) not in kept]
+    if missing:
+        raise DeviceError(
+            f"{transport.device.name}: no previous version of {', '.join(missing)} to roll back to "
+            f"(push keeps one when it replaces a file)"
+        )
+    live = read_live(transport, folder)
+    done = []
+    for name in names:
+        target, old = confine(folder, name), confine(previous, name)
+        aside = confine(previous, f".{name}{PART_MARK}{uuid.uuid4().hex[:12]}")
+        result = transport.run(["ln", "-f", "--", target, aside], timeout=60)
+        if not result.ok:
+            raise DeviceError(f"{transport.device.name}: cannot roll back {name}: {result.last_error_line()}")
+        transport.rename(old, target)
+        transport.rename(aside, old)
+        entry = live.get(name) or {}
+        live[name] = {"sha256": entry.get("previous_sha256"), "previous_sha256": entry.get("sha256"), "since": _now()}
+        done.append(Rollback(name, live[name]["sha256"], live[name]["previous_sha256"]))
+    write_live(transport, folder, live)
+    return done

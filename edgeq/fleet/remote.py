@@ -22,7 +22,7 @@ import numpy as np
 from edgeq.errors import DeviceError, EdgeqError, FleetInterrupted
 from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe
 from edgeq.fleet.inventory import Device
-from edgeq.fleet.push import FileTransfer, push_files
+from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files
 from edgeq.fleet.rollout import Rollout
 from edgeq.fleet.transport import CANCEL, Transport, confine, connect
 from edgeq.runtime.inputs import manifest_beside
@@ -205,6 +205,14 @@ def push_to(device: Device, files: Sequence[str | Path], on_event: Event = _noop
     on_event(device.name, "connecting")
     with connect(device) as transport:
         return push_to_device(transport, files, on_event, **kwargs)
+
+
+def rollback_on(device: Device, names: Sequence[str], on_event: Event = _noop) -> list[Rollback]:
+    """`push --rollback`: the previous version of each named file becomes live again."""
+    on_event(device.name, "connecting")
+    with connect(device) as transport:
+        on_event(device.name, f"rolling back {len(names)} file(s)")
+        return rollback_files(transport, [Path(n).name for n in names])
 
 
 def _remote_path(pushed: PushSummary, local: str | Path) -> str:

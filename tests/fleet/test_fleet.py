@@ -507,3 +507,33 @@ def test_max_fail_stops_the_rollout_and_leaves_later_batches_untouched(cli, flee
     rows = {line.split()[0]: line.split()[1] for line in finished.stdout.splitlines()[1:] if line.split()}
     assert rows == {"dead1": "failed", "dead2": "failed", "x86-venv": "ok", "dead3": "failed"}
     assert "failed on 3 of 4 device(s): dead1, dead2, dead3" in finished.stderr
+
+
+def test_push_keeps_the_previous_version_and_rollback_swaps_it_back(cli, fleet, tmp_path):
+    """v1 then v2 of one file: the device keeps v1; --rollback makes v1 live, a second one v2 again."""
+    from edgeq.artifacts import sha256_file
+
+    v1, v2 = tmp_path / "v1" / "model.tflite", tmp_path / "v2" / "model.tflite"
+    for path, source in ((v1, INT8), (v2, INT8.with_name("tiny_uint8.tflite"))):
+        path.parent.mkdir()
+        shutil.copy(source, path)
+    models = fleet.x86_workdir / "models"
+    live = models / ".edgeq-live.json"
+    for version in (v1, v2):
+        assert _run(cli, fleet, "push", version, "--to", "x86-venv").exit_code == 0
+    assert sha256_file(models / "model.tflite") == sha256_file(v2)
+    assert sha256_file(models / ".previous" / "model.tflite") == sha256_file(v1)
+    record = json.loads(live.read_text())["model.tflite"]
+    assert (record["sha256"], record["previous_sha256"]) == (sha256_file(v2), sha256_file(v1))
+
+    back = _run(cli, fleet, "push", "--rollback", "model.tflite", "--to", "x86-venv")
+    assert back.exit_code == 0, back.output
+    assert sha256_file(models / "model.tflite") == sha256_file(v1)
+    assert json.loads(live.read_text())["model.tflite"]["sha256"] == sha256_file(v1)
+    assert sha256_file(v1)[:12] in back.stdout
+    again = _run(cli, fleet, "push", "--rollback", "model.tflite", "--to", "x86-venv")
+    assert again.exit_code == 0 and sha256_file(models / "model.tflite") == sha256_file(v2)
+    assert not [n for n in (models / ".previous").iterdir() if n.name.startswith(".")]  # no link left aside
+
+    never = _run(cli, fleet, "push", "--rollback", "never-pushed.tflite", "--to", "x86-venv")
+    assert never.exit_code == 5 and "no previous version of never-pushed.tflite" in never.stdout + never.stderr
