@@ -270,7 +270,7 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
         "--data",
         "digits",
         "--epochs",
-        "25",
+        "12",
         "--qat-epochs",
         "2",
         "--out",
@@ -318,10 +318,10 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
     assert not noise, noise  # TensorFlow's C++ log lines and Keras' Python warnings stay hidden without -v
     history = json.loads((out / "history.json").read_text())
     epochs = [e["epoch"] for e in history["stages"][0]["epochs"]]
-    assert epochs == list(range(1, 26))  # every epoch once: nothing lost, nothing repeated
+    assert epochs == list(range(1, 13))  # every epoch once: nothing lost, nothing repeated
     run = json.loads((out / "run.json").read_text())
     assert run["resumed_from"][0] == 0 and run["resumed_from"][1] >= saved["epochs_done"]
-    assert run["results"][0]["test_accuracy"] >= 0.9  # it trained (the resumed Adam restarts its moments)
+    assert run["results"][0]["test_accuracy"] >= 0.9  # it trained, across the interruption
 
 
 def test_conv_followed_by_relu_layer_keeps_4bit_weight_quantization(tmp_path):
