@@ -46,18 +46,24 @@ def check(targets, inventory_path, accept_new_host_keys, rollout) -> None:
 
     chosen = select_devices(inventory_path, targets, accept_new_host_keys)
     outcomes = for_each_device(chosen, check_device, rollout=rollout, on_event=progress_printer())
+    from edgeq.fleet.bootstrap import host_versions
+
+    host = host_versions()
     rows = []
     for o in outcomes:
         p = o.result
         if p is None:
-            rows.append([o.device, o.status, "-", "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([o.device, o.status, "-", "-", "-", "-", "-", "-", "-", "-", "-"])
             continue
         runtime = f"{p.runtime} {p.runtime_version}" if p.runtime else "none"
         free = human_bytes(p.free_bytes) if p.free_bytes is not None else "?"
+        drift = p.drift(host)
         rows.append(
-            [o.device, "ok", p.machine, p.os, p.python, runtime, p.numpy or "none", p.edgeq or "none", free, p.edgetpu]
-        )
+            [o.device, "ok", p.machine, p.os, p.python, runtime, p.numpy or "none", p.edgeq or "none", free, p.edgetpu,
+             "same" if not drift else "DRIFT: " + "; ".join(drift)]
+        )  # fmt: skip
     headers = ["device", "status", "arch", "os", "python", "runtime", "numpy", "edgeq", "free disk", "edge tpu"]
+    headers += [f"vs host (edgeq {host['edgeq']}, numpy {host['numpy']}, {host['runtime']})"]
     click.echo(table(headers, rows, numbers=True))
     for o in outcomes:
         if o.error:

@@ -73,6 +73,17 @@ class Probe:
             return "libedgetpu, no device"
         return "no"
 
+    def drift(self, host: dict[str, str | None]) -> list[str]:
+        """Where the device's edgeq, numpy and LiteRT differ from ``host`` (host_versions())."""
+        found = []
+        for name, mine in (("edgeq", self.edgeq), ("numpy", self.numpy)):
+            if mine != host.get(name):
+                found.append(f"{name} {mine or 'none'} (host {host.get(name) or 'none'})")
+        runtime = f"{self.runtime} {self.runtime_version}" if self.runtime else "none"
+        if runtime != host.get("runtime"):
+            found.append(f"runtime {runtime} (host {host.get('runtime') or 'none'})")
+        return found
+
     @property
     def missing(self) -> list[str]:
         return [
@@ -94,6 +105,21 @@ class DeviceRuntime:
 
     def argv(self, *args: str) -> list[str]:
         return [self.python, "-m", "edgeq", *args]
+
+
+def host_versions() -> dict[str, str | None]:
+    """This host's edgeq, numpy and LiteRT, as a device should have them (devices check compares)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def dist(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    litert = dist("ai-edge-litert")
+    runtime = f"ai_edge_litert {litert}" if litert else None
+    return {"edgeq": edgeq.__version__, "numpy": dist("numpy"), "runtime": runtime}
 
 
 def probe(transport: Transport, python: str | None = None, env: dict[str, str] | None = None) -> Probe:

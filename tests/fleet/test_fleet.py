@@ -6,6 +6,7 @@ devices, the later tests find them bootstrapped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -93,6 +94,9 @@ def test_devices_check(cli, fleet):
     assert "x86_64" in rows["x86-venv"] and "aarch64" in rows["pi4-emu"]
     for row in rows.values():
         assert "ai_edge_litert" in row and " ok " in row
+        assert " same" in row or "DRIFT: " in row  # the device's versions against this host's
+    header = result.stdout.splitlines()[0]
+    assert "vs host (edgeq" in header
     assert "emulated Raspberry Pi 4" in rows["pi4-emu"]
     # Device 1 is the base install only: edgeq and LiteRT, never TensorFlow.
     site_packages = list(fleet.x86_venv.glob("lib/python3*/site-packages"))
@@ -537,3 +541,21 @@ def test_push_keeps_the_previous_version_and_rollback_swaps_it_back(cli, fleet, 
 
     never = _run(cli, fleet, "push", "--rollback", "never-pushed.tflite", "--to", "x86-venv")
     assert never.exit_code == 5 and "no previous version of never-pushed.tflite" in never.stdout + never.stderr
+
+
+def test_version_drift_is_named_against_the_host():
+    from edgeq.fleet.bootstrap import Probe, host_versions
+
+    host = host_versions()
+    probe = Probe(
+        machine="aarch64", system="Linux", os="Debian", python="3.11", python_tag="cp311", executable="python3",
+        glibc="2.36", numpy=host["numpy"], click="8.1", runtime="ai_edge_litert",
+        runtime_version=host["runtime"].split()[1], edgeq=host["edgeq"], free_bytes=1, edgetpu_library=None,
+        edgetpu_devices=(), pip=True, venv=False,
+    )  # fmt: skip
+    assert probe.drift(host) == []
+    old = dataclasses.replace(probe, numpy="1.26.4", runtime="tflite_runtime", runtime_version="2.14.0")
+    assert old.drift(host) == [
+        f"numpy 1.26.4 (host {host['numpy']})",
+        f"runtime tflite_runtime 2.14.0 (host {host['runtime']})",
+    ]
