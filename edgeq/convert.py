@@ -158,6 +158,26 @@ def default_output(source: str | Path, mode: Mode) -> Path:
     return source.with_name(f"{source.stem if source.is_file() else source.name}_{MODES[mode].suffix}.tflite")
 
 
+def _input_rescaling_hint(keras_model, dataset, samples: int) -> str | None:
+    """A model that rescales raw pixels itself (Rescaling 1/255 or 1/127.5 at its input, as
+    keras.applications MobileNetV3 and EfficientNet do) given data already in [0, 1]: its float
+    input then varies by a few thousandths, and an int8 grid keeps two or three levels of it."""
+    for layer in keras_model.layers[:4]:
+        if type(layer).__name__ != "Rescaling":
+            continue
+        scale = float(np.max(np.abs(np.asarray(layer.scale, dtype=np.float64))))
+        x = dataset.calibration_samples(min(samples, 64))
+        lo, hi = float(np.min(x)), float(np.max(x))
+        if scale <= 0.01 and max(abs(lo), abs(hi)) <= 1.5:
+            return (
+                f"layer {layer.name!r} (Rescaling x{scale:.4g}) expects raw pixel values (0..255), but the "
+                f"calibration data lies in [{lo:.3g}, {hi:.3g}]: give raw pixels, or build the model without its "
+                "own preprocessing (include_preprocessing=False)"
+            )
+        return None
+    return None
+
+
 def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_qat: bool, notes: list):
     """Calibration samples: --calib, else the data the model was trained on (run.json)."""
     from edgeq.model_io import run_record_for
@@ -364,6 +384,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         raise UsageError(f"{out}: the output must end in .tflite")
 
     dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
+    hint = _input_rescaling_hint(keras_model, dataset, calib_samples) if dataset is not None else None
+    if hint:
+        notes.append(hint)
     if equalize:
         from edgeq.transforms.equalize import equalized_copy
 
@@ -436,9 +459,14 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     seconds = time.perf_counter() - started
 
     tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
-    verification = _verify(
-        tflite, reference_model, spec, dataset, data_spec, calib_samples, io_type, source_name, options.min_sqnr_db
-    )
+    try:
+        verification = _verify(
+            tflite, reference_model, spec, dataset, data_spec, calib_samples, io_type, source_name, options.min_sqnr_db
+        )
+    except ConversionError as exc:
+        if hint:  # the likeliest cause of a failed verification, said in the same line
+            raise ConversionError(f"{exc}. Note: {hint}") from exc
+        raise
     op_counts = dict(Counter(op.op_name for op in tflite.ops()))
 
     if dataset is not None:

@@ -151,3 +151,20 @@ def test_edgetpu_conversion_is_static_checked_and_says_when_the_compiler_is_miss
     assert list(sig) == [1, 8, 8, 1]  # static: the Edge TPU compiler refuses a dynamic batch
     refused = cli("convert", digits_run.qat_model, "--int8", "--edgetpu", "--out", tmp_path / "x.tflite")
     assert_one_line_error(refused, "--int8-only")
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_a_model_that_rescales_raw_pixels_given_normalised_data_is_told_so(tmp_path, rescale):
+    """keras.applications MobileNetV3/EfficientNet rescale 0..255 themselves; [0, 1] data ruins int8."""
+    L = keras.layers
+    inputs = L.Input((8, 8, 3))
+    h = L.Rescaling(1 / 255.0, name="pixels")(inputs) if rescale else inputs
+    outputs = L.Dense(10)(L.GlobalAveragePooling2D()(L.Conv2D(4, 3, activation="relu")(h)))
+    path = tmp_path / "m.keras"
+    keras.Model(inputs, outputs).save(path)
+    options = ConvertOptions(mode="int8-only", calib="synthetic:8x8x3:10:200", min_sqnr_db=-100.0)
+    result = convert(path, tmp_path / "m.tflite", options)
+    hints = [n for n in result.notes if "expects raw pixel values" in n]
+    assert len(hints) == int(rescale)
+    if rescale:
+        assert "'pixels'" in hints[0] and "include_preprocessing=False" in hints[0]

@@ -37,16 +37,37 @@ def _set_bn_statistics(model, x) -> None:
         bn.momentum = momentum
 
 
+# Models that rescale raw pixels themselves get the input they expect: MobileNetV3 is built
+# without its Rescaling, EfficientNet (which has no switch) gets 0..255 data. [0, 1] data into
+# a Rescaling(1/255) leaves int8 two or three levels of the image (edgeq convert now says so).
+OPTIONS = {"MobileNetV3Small": {"include_preprocessing": False}}
+RAW_PIXELS = {"EfficientNetB0"}
+
+
+def _raw_pixels(data: str, folder: Path) -> str:
+    """The same synthetic samples as an npz of 0..255 floats (what EfficientNet's Rescaling expects)."""
+    import numpy as np
+
+    from edgeq.data import load_dataset
+
+    d = load_dataset(data)
+    path = folder / "raw255.npz"
+    x = np.concatenate([d.x_train, d.x_val, d.x_test]) * 255.0
+    np.savez(path, x=x.astype(np.float32), y=np.concatenate([d.y_train, d.y_val, d.y_test]))
+    return f"npz:{path}"
+
+
 def _models(tmp: Path):
     from edgeq.compat import keras
     from edgeq.data import load_dataset
 
-    data = f"synthetic:{SIZE}x{SIZE}x3:10:400"
-    x = load_dataset(data).calibration_samples(64, seed=5)
+    synthetic = f"synthetic:{SIZE}x{SIZE}x3:10:400"
     for name in os.environ.get("EDGEQ_BENCH_ARCHS", ",".join(ARCHITECTURES)).split(","):
+        data = _raw_pixels(synthetic, tmp) if name in RAW_PIXELS else synthetic
+        x = load_dataset(data).calibration_samples(64, seed=5)
         # logits, not softmax: with random weights a softmax is near uniform and hides the error
         model = getattr(keras.applications, name)(
-            weights=None, input_shape=(SIZE, SIZE, 3), classes=10, classifier_activation=None
+            weights=None, input_shape=(SIZE, SIZE, 3), classes=10, classifier_activation=None, **OPTIONS.get(name, {})
         )
         _set_bn_statistics(model, x)
         path = tmp / f"{name}.keras"
@@ -190,7 +211,8 @@ def run() -> str:
         f"`python tools/bench.py --only ptq`: `edgeq convert --int8-only` with 64 calibration samples (train "
         "split), measured against the FP32 model on the val split, which calibration never sees "
         f"({SIZE}x{SIZE} keras.applications models with logit outputs: random weights, BN statistics set from "
-        "one batch of synthetic data; digits-cnn: trained on real digits). Cells: SQNR dB / top-1 agreement; "
+        "one batch of synthetic data; MobileNetV3Small without its Rescaling, EfficientNetB0 given 0..255 pixels; "
+        "digits-cnn: trained on real digits). Cells: SQNR dB / top-1 agreement; "
         "percentile, mse and entropy are `auto`'s candidates as its manifest records them; time is the whole `edgeq "
         "convert` (verification included). `auto` stops at the first candidate that passes verification "
         "(10 dB), read off the `auto, all` run (`--ptq-target 1000`, which tries every candidate and keeps the best): "
