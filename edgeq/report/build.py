@@ -171,10 +171,11 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
             r.setdefault("integer_only", facts.get("integer_only"))
             if is_ref:
                 r["reference"] = True
-        for c in doc.data.get("comparison") or []:
-            r = row(_name(doc.data["model"]["model"]["path"]))
-            if c.get("threads") == r.get("threads", c.get("threads")):
-                r["speedup"] = c.get("speedup")
+        # the speedup at the thread count the row's latency is from (the first one profiled)
+        r = row(_name(doc.data["model"]["model"]["path"]))
+        r["speedup"] = next(
+            (c.get("speedup") for c in doc.data.get("comparison") or [] if c.get("threads") == r.get("threads")), None
+        )
     ordered = sorted(rows.values(), key=lambda r: (not r.get("reference"), r["model"]))
     return [{**dict.fromkeys(MODEL_FIELDS), **r} for r in ordered], checks
 
