@@ -142,7 +142,7 @@ def calibrate(
     keras_model, dataset: Dataset, samples: int = 200, per_tensor: bool = False, ranges: str = "minmax"
 ) -> Calibrated:
     """Calibrate ``keras_model`` on ``samples`` training samples; activation ranges by ``ranges``."""
-    if len(dataset.x_train) == 0:
+    if dataset.count("train") == 0:
         raise UsageError(f"data {dataset.source!r} has no samples to calibrate with")
     if ranges not in ACTIVATION_METHODS:
         raise UsageError(f"activation ranges must be one of {', '.join(ACTIVATION_METHODS)}, got {ranges!r}")

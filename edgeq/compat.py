@@ -47,13 +47,27 @@ try:
         import tf_keras as keras  # noqa: E402
 
         tf.config.list_physical_devices()  # device discovery (cuInit) logs too: do it now, quietly
-        tf.constant(0.0) + 1.0  # the first op starts the runtime (oneDNN's notice)
 except ImportError as exc:  # pragma: no cover - exercised only on a device install
     raise MissingExtraError(
         f'this command needs TensorFlow and TF-MOT ({exc.name} is not installed): pip install "edgeq[train]"'
     ) from exc
 
+
+def start_runtime() -> None:
+    """Run the first op, which starts TensorFlow's runtime (and prints oneDNN's notice), quietly.
+
+    After it, devices and collective ops are fixed: a tf.distribute strategy that needs
+    logical CPU devices or a worker cluster (edgeq.train.distribute) is set up first, which
+    is why ``EDGEQ_DEFER_RUNTIME=1`` (set by ``edgeq train --strategy``) postpones this.
+    """
+    with _stderr_silenced():
+        tf.constant(0.0) + 1.0
+
+
+if not os.environ.get("EDGEQ_DEFER_RUNTIME"):
+    start_runtime()
+
 logging.getLogger("tensorflow").setLevel(logging.ERROR)
 tf.get_logger().setLevel(logging.ERROR)
 
-__all__ = ["tf", "keras", "tfmot"]
+__all__ = ["tf", "keras", "tfmot", "start_runtime"]

@@ -431,7 +431,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             f"{source_name}: {spec.mode.value} post-training quantization needs a representative dataset: "
             "--calib SRC (e.g. --calib digits or --calib npz:calib.npz)"
         )
-    if dataset is not None and len(dataset.x_train) == 0:
+    if dataset is not None and dataset.count("train") == 0:
         raise DataError(f"calibration data {data_spec!r} is empty")
 
     started = time.perf_counter()

@@ -1,7 +1,8 @@
 """Named datasets with fixed splits and representative-dataset generators.
 
 A source is a string: ``digits``, ``synthetic:HxWxC:K[:N]``, ``npz:PATH`` (or a path
-ending in .npz) and ``images:DIR``. Every source yields float32 inputs already
+ending in .npz), ``images:DIR`` and ``tfrecord:GLOB``. Image sources are decoded lazily
+(``EncodedImages``); tfrecord needs TensorFlow. Every source yields float32 inputs already
 normalised for the model, and records that normalisation (``raw * scale + offset``) so
 that eval and profile feed the quantized model exactly what training saw.
 Host side only needs numpy; scikit-learn and Pillow are imported only by the sources
@@ -26,18 +27,19 @@ DEFAULT_CALIBRATION_SAMPLES = 200
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 
 
-@dataclass(frozen=True)
-class Dataset:
+class _Splits:
+    """What every dataset offers, on top of its x_/y_ train, val and test splits."""
+
     source: str
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_val: np.ndarray
-    y_val: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
     num_classes: int
-    normalization: Normalization = field(default_factory=Normalization)
-    class_names: tuple[str, ...] = ()
+    normalization: Normalization
+
+    def count(self, split: str) -> int:
+        return len(getattr(self, f"y_{split}"))
+
+    def take(self, split: str, indices: np.ndarray) -> np.ndarray:
+        """The samples of ``split`` at ``indices`` (sorted), without reading the rest."""
+        return getattr(self, f"x_{split}")[indices]
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -53,15 +55,15 @@ class Dataset:
         if n <= 0:
             raise DataError(f"--calib-samples must be positive, got {n}")
         rng = np.random.default_rng(seed)
-        idx = rng.choice(len(self.x_train), size=min(n, len(self.x_train)), replace=False)
-        return self.x_train[np.sort(idx)]
+        total = self.count("train")
+        idx = rng.choice(total, size=min(n, total), replace=False)
+        return self.take("train", np.sort(idx))
 
     def verification_samples(self, n: int = 200) -> tuple[np.ndarray, str]:
         """Up to N samples disjoint from calibration (which draws from train): val, else test."""
         for name in ("val", "test"):
-            x = getattr(self, f"x_{name}")
-            if len(x):
-                return x[:n], name
+            if self.count(name):
+                return self.take(name, np.arange(min(n, self.count(name)))), name
         return self.calibration_samples(n, seed=1), "train"
 
     def representative_dataset(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> Callable[[], Iterator]:
@@ -74,10 +76,19 @@ class Dataset:
 
         return generator
 
+    def x_chunks(self, split: str, size: int = 512) -> Iterator[np.ndarray]:
+        """The inputs of ``split`` in order, ``size`` samples at a time."""
+        x = getattr(self, f"x_{split}")
+        for start in range(0, len(x), size):
+            yield x[start : start + size]
+
     def fingerprint(self) -> str:
+        """sha256 of the source name and every split's inputs and labels, read in chunks."""
         digest = hashlib.sha256(self.source.encode())
-        for arr in (self.x_train, self.y_train, self.x_val, self.y_val, self.x_test, self.y_test):
-            digest.update(np.ascontiguousarray(arr).tobytes())
+        for split in ("train", "val", "test"):
+            for chunk in self.x_chunks(split):
+                digest.update(np.ascontiguousarray(chunk, dtype=np.float32).tobytes())
+            digest.update(np.ascontiguousarray(getattr(self, f"y_{split}")).tobytes())
         return digest.hexdigest()
 
     def describe(self) -> dict:
@@ -85,9 +96,9 @@ class Dataset:
             "source": self.source,
             "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
-            "train": len(self.x_train),
-            "val": len(self.x_val),
-            "test": len(self.x_test),
+            "train": self.count("train"),
+            "val": self.count("val"),
+            "test": self.count("test"),
             "normalization": self.normalization.to_dict(),
             "sha256": self.fingerprint(),
         }
@@ -117,6 +128,22 @@ class Dataset:
                     f"(the first: sample {first} of that split): clean or drop them; quantization ranges and "
                     "training need finite inputs"
                 )
+
+
+@dataclass(frozen=True)
+class Dataset(_Splits):
+    """Samples held in memory, already normalised (digits, synthetic, npz)."""
+
+    source: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    normalization: Normalization = field(default_factory=Normalization)
+    class_names: tuple[str, ...] = ()
 
 
 def _shape_str(shape: tuple) -> str:
@@ -248,12 +275,130 @@ def load_npz(path: str | Path, labels_required: bool = True, normalization: Norm
     return _make(source, x, y, recorded, normalized=True)
 
 
+class EncodedImages(_Splits):
+    """``images:DIR`` and ``tfrecord:GLOB``: encoded images, decoded only when read.
+
+    The split is fixed from the file list and labels alone (the same stratified split as
+    the in-memory sources), so nothing is decoded to make it. Training streams the
+    images through tf.data (edgeq.train.pipeline); calibration decodes only the samples
+    it draws; ``x_train`` etc. decode a whole split, once, for the commands that want it.
+    Every decode goes through ``decode_image`` (Pillow), so train, eval and profile see the
+    same pixels.
+    """
+
+    def __init__(self, source, kind, refs, labels, image_size, channels, normalization, class_names, num_classes):
+        self.source = source
+        self.kind = kind  # "files": refs are paths; "tfrecord": refs are (file, record index)
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.channels = int(channels)
+        self.normalization = normalization
+        self.class_names = tuple(class_names)
+        self.num_classes = int(num_classes)
+        if len(refs) == 0:
+            raise DataError(f"data {source!r} is empty: it has no samples")
+        y = np.asarray(labels, dtype=np.int64)
+        parts = stratified_split(np.arange(len(refs)), y)
+        self._index = {"train": parts[0], "val": parts[2], "test": parts[4]}
+        self._labels = {"train": parts[1], "val": parts[3], "test": parts[5]}
+        self._refs = list(refs)
+        self._decoded: dict[str, np.ndarray] = {}
+        if len(parts[0]) == 0 or len(parts[4]) == 0:
+            raise DataError(f"data {source!r} has too few samples per class to split into train and test")
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (*self.image_size, self.channels)
+
+    @property
+    def total(self) -> int:
+        return len(self._refs)
+
+    @property
+    def files(self) -> list[str]:
+        """The files, in the order their samples are numbered."""
+        return list(dict.fromkeys(r if self.kind == "files" else r[0] for r in self._refs))
+
+    def indices(self, split: str) -> np.ndarray:
+        """Which samples (numbered over all files, in order) make up ``split``."""
+        return self._index[split]
+
+    def refs(self, split: str) -> list:
+        return [self._refs[i] for i in self._index[split]]
+
+    def count(self, split: str) -> int:
+        return len(self._index[split])
+
+    def labels(self, split: str) -> np.ndarray:
+        return self._labels[split]
+
+    def decode(self, data: bytes, where: str = "") -> np.ndarray:
+        """One encoded image as this source's float sample."""
+        return self.normalization.apply(decode_image(data, self.image_size, self.channels, where))
+
+    def _encoded(self, refs: list) -> Iterator[bytes]:
+        if self.kind == "files":
+            for path in refs:
+                yield Path(path).read_bytes()
+        else:
+            yield from read_tfrecord_images(refs, self.source)
+
+    def take(self, split: str, indices: np.ndarray) -> np.ndarray:
+        refs = self.refs(split)
+        chosen = [refs[int(i)] for i in indices]
+        out = np.empty((len(chosen), *self.input_shape), np.float32)
+        for k, (ref, data) in enumerate(zip(chosen, self._encoded(chosen))):
+            out[k] = self.decode(data, str(ref))
+        return out
+
+    def x_chunks(self, split: str, size: int = 512) -> Iterator[np.ndarray]:
+        n = self.count(split)
+        for start in range(0, n, size):
+            yield self.take(split, np.arange(start, min(n, start + size)))
+
+    def _split_x(self, split: str) -> np.ndarray:
+        if split not in self._decoded:
+            self._decoded[split] = self.take(split, np.arange(self.count(split)))
+        return self._decoded[split]
+
+    x_train = property(lambda self: self._split_x("train"))
+    x_val = property(lambda self: self._split_x("val"))
+    x_test = property(lambda self: self._split_x("test"))
+    y_train = property(lambda self: self._labels["train"])
+    y_val = property(lambda self: self._labels["val"])
+    y_test = property(lambda self: self._labels["test"])
+
+    def check_finite(self) -> None:
+        """Decoded 8-bit pixels are always finite."""
+
+
+def decode_image(data: bytes, size: tuple[int, int], channels: int, where: str = "") -> np.ndarray:
+    """Encoded bytes (PNG, JPEG, ...) to a uint8 (H, W, C) array of ``size``, with Pillow."""
+    import io
+
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise DataError('image data needs Pillow: pip install "edgeq[train]"') from exc
+    mode = "L" if channels == 1 else "RGB"
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            arr = np.asarray(img.convert(mode).resize((size[1], size[0])), dtype=np.uint8)
+    except OSError as exc:
+        raise DataError(f"{where or 'an image'}: not a readable image ({exc}); remove it or replace it") from exc
+    return arr.reshape(size[0], size[1], channels)
+
+
+def _image_normalization(normalization: Normalization | None) -> Normalization:
+    return normalization if normalization is not None and normalization.raw_max == 255 else UINT8_IMAGES
+
+
 def load_images(
     directory: str | Path,
     image_size: tuple[int, int] | None,
     channels: int = 3,
     normalization: Normalization | None = None,
-) -> Dataset:
+) -> EncodedImages:
+    """``images:DIR``: one sub-folder per class; listed now, decoded when read."""
     directory = Path(directory)
     source = f"images:{directory}"
     if not directory.is_dir():
@@ -263,27 +408,115 @@ def load_images(
         raise DataError(f"{directory}: no class sub-folders; put each class's images in DIR/<class>/")
     if image_size is None:
         raise DataError(f"{source}: the image size is unknown: give a model whose input fixes it")
+    files, labels = [], []
+    for label, cls in enumerate(classes):
+        for file in sorted((directory / cls).iterdir()):
+            if file.suffix.lower() in IMAGE_SUFFIXES:
+                files.append(str(file))
+                labels.append(label)
+    if not files:
+        raise DataError(f"{directory}: the class folders hold no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    _check_headers(files)
+    return EncodedImages(
+        source, "files", files, labels, image_size, channels, _image_normalization(normalization), classes, len(classes)
+    )
+
+
+def _check_headers(files: list[str]) -> None:
+    """A file that is no image fails now, by name, not in the middle of training (headers only)."""
     try:
         from PIL import Image
     except ImportError as exc:
         raise DataError('images:DIR needs Pillow: pip install "edgeq[train]"') from exc
-    xs, ys = [], []
-    mode = "L" if channels == 1 else "RGB"
-    for label, cls in enumerate(classes):
-        for file in sorted((directory / cls).iterdir()):
-            if file.suffix.lower() not in IMAGE_SUFFIXES:
-                continue
-            try:
-                with Image.open(file) as img:
-                    arr = np.asarray(img.convert(mode).resize((image_size[1], image_size[0])), dtype=np.uint8)
-            except OSError as exc:
-                raise DataError(f"{file}: not a readable image ({exc}); remove it or replace it") from exc
-            xs.append(arr.reshape(image_size[0], image_size[1], channels))
-            ys.append(label)
-    if not xs:
-        raise DataError(f"{directory}: the class folders hold no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    recorded = normalization if normalization is not None and normalization.raw_max == 255 else UINT8_IMAGES
-    return _make(source, np.stack(xs), np.asarray(ys), recorded, len(classes), classes)
+    for file in files:
+        try:
+            with Image.open(file):
+                pass
+        except OSError as exc:
+            raise DataError(f"{file}: not a readable image ({exc}); remove it or replace it") from exc
+
+
+TFRECORD_IMAGE = "image/encoded"
+TFRECORD_LABEL = "image/class/label"
+
+
+def _tfrecord_files(pattern: str) -> list[str]:
+    import glob
+
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise DataError(f"tfrecord:{pattern}: no file matches; give a glob such as tfrecord:data/train-*.tfrecord")
+    return files
+
+
+def _tf():
+    try:
+        from edgeq.compat import tf
+    except Exception as exc:
+        raise DataError(f'tfrecord data needs TensorFlow: pip install "edgeq[train]" ({exc})') from exc
+    return tf
+
+
+def _parse_tfrecord(tf, serialized):
+    features = {
+        TFRECORD_IMAGE: tf.io.FixedLenFeature([], tf.string),
+        TFRECORD_LABEL: tf.io.FixedLenFeature([], tf.int64),
+    }
+    return tf.io.parse_single_example(serialized, features)
+
+
+def load_tfrecord(
+    pattern: str,
+    image_size: tuple[int, int] | None,
+    channels: int = 3,
+    normalization: Normalization | None = None,
+) -> EncodedImages:
+    """``tfrecord:GLOB``: tf.train.Example records with ``image/encoded`` and ``image/class/label``.
+
+    Listing reads every record's label once (streamed); the images are decoded when read.
+    """
+    source = f"tfrecord:{pattern}"
+    if image_size is None:
+        raise DataError(f"{source}: the image size is unknown: give a model whose input fixes it")
+    tf = _tf()
+    files = _tfrecord_files(pattern)
+    refs, labels = [], []
+    for file in files:
+        try:
+            for index, record in enumerate(tf.data.TFRecordDataset(file)):
+                parsed = _parse_tfrecord(tf, record)
+                refs.append((file, index))
+                labels.append(int(parsed[TFRECORD_LABEL]))
+        except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as exc:
+            raise DataError(
+                f"{file}: not a TFRecord of tf.train.Example with {TFRECORD_IMAGE!r} (bytes) and "
+                f"{TFRECORD_LABEL!r} (int64): {str(exc).splitlines()[0]}"
+            ) from exc
+    if labels and min(labels) < 0:
+        raise DataError(f"{source}: labels must be class indices >= 0")
+    k = max(labels) + 1 if labels else 0
+    data = EncodedImages(
+        source, "tfrecord", refs, labels, image_size, channels, _image_normalization(normalization), (), k
+    )
+    data.take("train", np.arange(1))
+    return data
+
+
+def read_tfrecord_images(refs: list, source: str = "") -> Iterator[bytes]:
+    """The encoded images of (file, record index) refs, in the order given, reading each file once."""
+    tf = _tf()
+    wanted: dict[str, dict[int, list[int]]] = {}
+    for k, (file, index) in enumerate(refs):
+        wanted.setdefault(file, {}).setdefault(int(index), []).append(k)
+    out: list[bytes | None] = [None] * len(refs)
+    for file, indices in wanted.items():
+        last = max(indices)
+        for index, record in enumerate(tf.data.TFRecordDataset(file).take(last + 1)):
+            if index in indices:
+                data = _parse_tfrecord(tf, record)[TFRECORD_IMAGE].numpy()
+                for k in indices[index]:
+                    out[k] = data
+    yield from out
 
 
 def load_dataset(
@@ -299,7 +532,7 @@ def load_dataset(
     """
     source = str(source).strip()
     if not source:
-        raise DataError("no data source given: use digits, synthetic:HxWxC:K, npz:PATH or images:DIR")
+        raise DataError("no data source given: use digits, synthetic:HxWxC:K, npz:PATH, images:DIR or tfrecord:GLOB")
     if source == "digits":
         return load_digits_dataset()
     if source.startswith("synthetic:"):
@@ -308,11 +541,15 @@ def load_dataset(
         return load_npz(source[4:], labels_required, normalization)
     if source.endswith(".npz"):
         return load_npz(source, labels_required, normalization)
-    if source.startswith("images:"):
+    if source.startswith(("images:", "tfrecord:")):
         size = tuple(input_shape[:2]) if input_shape else None
         channels = int(input_shape[2]) if input_shape and len(input_shape) > 2 else 3
-        return load_images(source[7:], size, channels, normalization)
-    raise DataError(f"unknown data source {source!r}: use digits, synthetic:HxWxC:K, npz:PATH or images:DIR")
+        if source.startswith("images:"):
+            return load_images(source[7:], size, channels, normalization)
+        return load_tfrecord(source[9:], size, channels, normalization)
+    raise DataError(
+        f"unknown data source {source!r}: use digits, synthetic:HxWxC:K, npz:PATH, images:DIR or tfrecord:GLOB"
+    )
 
 
 def export_split(dataset: Dataset, split: str, path: str | Path) -> Path:

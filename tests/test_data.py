@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -79,3 +81,96 @@ def test_shape_that_does_not_fit_names_both_shapes():
 def test_unknown_source_says_what_is_possible():
     with pytest.raises(DataError, match="synthetic:HxWxC:K"):
         load_dataset("cifar10")
+
+
+def _image_folder(root, per_class=9, size=(12, 10)):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b", "c"):
+        (root / cls).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(root / cls / f"{i}.png")
+    return root
+
+
+def test_image_folder_is_listed_now_and_decoded_only_when_read(tmp_path):
+    from PIL import Image
+
+    root = _image_folder(tmp_path / "imgs")
+    d = load_dataset(f"images:{root}", input_shape=(8, 8, 3))
+    assert not d._decoded  # listing decoded nothing
+    assert (d.count("train"), d.count("val"), d.count("test")) == (d.y_train.size, d.y_val.size, d.y_test.size)
+    picked = d.calibration_samples(4)
+    assert picked.shape == (4, 8, 8, 3) and "train" not in d._decoded  # 4 images decoded, not the split
+    first = d.refs("test")[0]
+    with Image.open(first) as img:
+        expected = d.normalization.apply(np.asarray(img.convert("RGB").resize((8, 8))))
+    np.testing.assert_array_equal(d.x_test[0], expected)
+    # the recorded hash is the hash of the decoded samples, read in chunks
+    chunked = d.fingerprint()
+    from edgeq.data import Dataset
+
+    eager = Dataset(d.source, d.x_train, d.y_train, d.x_val, d.y_val, d.x_test, d.y_test, 3, d.normalization)
+    assert chunked == eager.fingerprint()
+
+
+def test_an_unreadable_file_in_an_image_folder_fails_at_listing(tmp_path):
+    root = _image_folder(tmp_path / "imgs")
+    (root / "b" / "broken.png").write_text("not a png")
+    with pytest.raises(DataError, match=r"broken\.png: not a readable image"):
+        load_dataset(f"images:{root}", input_shape=(8, 8, 3))
+
+
+def test_tfrecord_source_reads_the_images_an_image_folder_holds(tmp_path):
+    """The same images as TFRecords (image/encoded + image/class/label): same split, same pixels."""
+    from edgeq.compat import tf
+
+    root = _image_folder(tmp_path / "imgs")
+    folder = load_dataset(f"images:{root}", input_shape=(8, 8, 3))
+    paths = folder.refs("train") + folder.refs("val") + folder.refs("test")
+    labels = np.concatenate([folder.y_train, folder.y_val, folder.y_test])
+    order = np.argsort(paths, kind="stable")  # the folder's listing order: class, then file
+    shards = [tmp_path / "rec-0.tfrecord", tmp_path / "rec-1.tfrecord"]
+    for shard, part in zip(shards, np.array_split(order, 2)):
+        with tf.io.TFRecordWriter(str(shard)) as writer:
+            for k in part:
+                encoded = Path(paths[k]).read_bytes()
+                feature = {
+                    "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[encoded])),
+                    "image/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(labels[k])])),
+                }
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    records = load_dataset(f"tfrecord:{tmp_path}/rec-*.tfrecord", input_shape=(8, 8, 3))
+    for split in ("train", "val", "test"):
+        np.testing.assert_array_equal(records.split(split)[0], folder.split(split)[0])
+        np.testing.assert_array_equal(records.split(split)[1], folder.split(split)[1])
+    with pytest.raises(DataError, match="no file matches"):
+        load_dataset(f"tfrecord:{tmp_path}/none-*.tfrecord", input_shape=(8, 8, 3))
+    (tmp_path / "bad.tfrecord").write_bytes(b"garbage that is no record")
+    with pytest.raises(DataError, match=r"bad\.tfrecord: not a TFRecord"):
+        load_dataset(f"tfrecord:{tmp_path}/bad.tfrecord", input_shape=(8, 8, 3))
+
+
+def test_training_stream_is_the_split_shuffled_and_augmented_by_seed(tmp_path):
+    from edgeq.train.pipeline import parse_augment, split_dataset
+
+    root = _image_folder(tmp_path / "imgs")
+    d = load_dataset(f"images:{root}", input_shape=(8, 8, 3))
+
+    def epoch(**kw):
+        xs, ys = zip(*[(x.numpy(), y.numpy()) for x, y in split_dataset(d, "train", 4, **kw)])
+        return np.concatenate(xs), np.concatenate(ys)
+
+    plain_x, plain_y = epoch()
+    np.testing.assert_array_equal(plain_x, d.x_train)  # evaluation order: the split as it is
+    shuffled_x, shuffled_y = epoch(training=True, seed=1)
+    assert sorted(shuffled_y.tolist()) == sorted(plain_y.tolist()) and not np.array_equal(shuffled_x, plain_x)
+    np.testing.assert_array_equal(epoch(training=True, seed=1)[0], shuffled_x)  # same seed, same order
+    flips = parse_augment("flip,crop")
+    augmented, _ = epoch(training=True, seed=1, augment=flips)
+    again, _ = epoch(training=True, seed=1, augment=flips)
+    np.testing.assert_array_equal(augmented, again)
+    assert not np.array_equal(augmented, shuffled_x) and augmented.shape == shuffled_x.shape
+    with pytest.raises(Exception, match="unknown rotate"):
+        parse_augment("flip,rotate")

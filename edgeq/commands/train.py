@@ -64,12 +64,33 @@ def _model_options(values: tuple[str, ...]) -> dict:
     "-o", "--model-option", "model_options", multiple=True, help="Reference-model option KEY=VALUE (e.g. alpha=0.5)."
 )
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--augment", help="Image augmentation while training: flip, crop or flip,crop (seeded by --seed).")
+@click.option(
+    "--strategy",
+    type=click.Choice(["default", "mirrored", "multi-worker"]),
+    default="default",
+    show_default=True,
+    help="tf.distribute: one device, every local GPU (mirrored), or one process per worker (multi-worker).",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    help="mirrored: how many local devices (with no GPU: that many logical CPU devices).",
+)
+@click.option("--workers", help="multi-worker without TF_CONFIG: every worker's host:port, comma-separated.")
+@click.option("--worker-index", type=click.IntRange(min=0), help="multi-worker: this worker's place in --workers.")
 @click.option("--resume", is_flag=True, help="Continue the unfinished run in --out (its saved options are used).")
 @click.option("--force", is_flag=True, help="Overwrite a run already in --out.")
 def train(model, out_dir, resume, force, model_options, activation_bits, **options):
     """Train MODEL (a reference name such as digits-cnn, or a .keras/.h5/SavedModel path):
     FP32 first, then quantization-aware fine-tuning with TF-MOT.
-    A checkpoint is written every epoch; Ctrl-C loses at most one epoch (--resume)."""
+    A checkpoint is written every epoch; Ctrl-C loses at most one epoch (--resume).
+    --batch-size is the global batch: under --strategy it is split across replicas."""
+    import os
+
+    if options["strategy"] != "default":
+        # the strategy sets up devices / collectives before TensorFlow's runtime starts
+        os.environ["EDGEQ_DEFER_RUNTIME"] = "1"
     from edgeq.train.fit import TrainConfig
     from edgeq.train.fit import train as run_training
 
@@ -81,6 +102,10 @@ def train(model, out_dir, resume, force, model_options, activation_bits, **optio
         **options,
     )
     result = run_training(config, resume=resume, force=force, progress=True)
+    if result.fp32_model is None:  # a multi-worker run's other workers: the chief reports
+        digest = f"; quantizer ranges sha256 {result.ranges['sha256']}" if result.ranges else ""
+        click.echo(f"worker done: the chief wrote the run to {result.out_dir}{digest}")
+        return
     rows = [
         (
             s.name,

@@ -11,6 +11,7 @@ Output folder::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -40,7 +42,7 @@ from edgeq.model_io import (
     is_model_path,
     load_user_model,
 )
-from edgeq.train import schemes
+from edgeq.train import distribute, pipeline, schemes
 from edgeq.train.layer_config import LayerConfig, LayerPrecision
 from edgeq.train.observe import initialize_ranges
 from edgeq.train.schedule import Stage, make_schedule
@@ -72,6 +74,13 @@ class TrainConfig:
     init_ranges: str = "tfmot"  # QAT's activation ranges: TF-MOT's [-6, 6] start, or calibration by a method
     model_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    augment: str | None = None  # image augmentation while training: "flip", "crop" or "flip,crop"
+    # tf.distribute (edgeq.train.distribute); these describe this process, not the run, so
+    # --resume takes them from the command line, not from the saved options
+    strategy: str = "default"
+    replicas: int | None = None
+    workers: str | None = None
+    worker_index: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +108,7 @@ class TrainResult:
     stages: tuple[StageResult, ...]
     resumed_from: tuple[int, int] | None = None  # (stage index, epochs done) when resumed
     float_layers: tuple[str, ...] = ()  # layers the QAT model leaves in float
+    ranges: dict | None = None  # quantizer_ranges() of the QAT model
 
 
 def _output_is_probability(model) -> bool:
@@ -114,6 +124,44 @@ def _output_is_probability(model) -> bool:
     activation = getattr(inner, "activation", None)
     activation = getattr(activation, "activation", activation)  # QuantizeAwareActivation wraps the function
     return getattr(activation, "__name__", "") == "softmax"
+
+
+def synchronize_batchnorm(model) -> list[str]:
+    """BatchNormalization with statistics over the global batch (tf_keras' ``synchronized``).
+
+    With one replica a batch's mean and variance are those of the whole batch; split across
+    N replicas, each would normalise with 1/N of it, and the same run would train another
+    model on 2 workers than on 1. Synchronized, the replicas all-reduce the statistics.
+    """
+    names = []
+    for layer in model.layers:
+        inner = getattr(layer, "layer", layer)  # TF-MOT's QuantizeWrapper
+        if type(inner).__name__ == "BatchNormalization" and not getattr(inner, "synchronized", True):
+            inner.synchronized = True
+            inner.fused = False  # tf_keras has no fused kernel for synchronized statistics
+            names.append(inner.name)
+        elif hasattr(inner, "layers") and inner is not model:
+            names.extend(synchronize_batchnorm(inner))
+    return names
+
+
+def quantizer_ranges(qat_model) -> dict:
+    """A digest of every quantizer's min/max, and whether this process's replicas agree on them.
+
+    Workers of one multi-worker run print their digest (the chief records it in run.json),
+    so that "every replica has the same ranges" is checked, not assumed.
+    """
+    digest = hashlib.sha256()
+    equal, count = True, 0
+    for weight in qat_model.weights:
+        name = weight.name
+        if weight.trainable or not (name.endswith("_min:0") or name.endswith("_max:0")):
+            continue
+        values = [np.asarray(v.numpy()) for v in getattr(weight, "values", (weight,))]
+        equal = equal and all(np.array_equal(values[0], v) for v in values[1:])
+        digest.update(name.encode() + values[0].astype(np.float32).tobytes())
+        count += 1
+    return {"variables": count, "sha256": digest.hexdigest(), "equal_across_local_replicas": bool(equal)}
 
 
 def _compile(model, learning_rate: float, clip_norm=None, clip_value=None) -> None:
@@ -166,7 +214,8 @@ class _EpochRecorder(keras.callbacks.Callback):
         record = {"epoch": epoch + 1, "seconds": round(time.perf_counter() - self._start, 3), **logs}
         self.run.history[self.stage_index]["epochs"].append(record)
         self.run.save_checkpoint(self.model, self.stage_index, epoch + 1)
-        _test_hooks(self.stage_index, epoch + 1)
+        if self.run.chief:
+            _test_hooks(self.stage_index, epoch + 1)
         if self.bar is not None:
             self.bar.set_postfix_str(
                 f"{self.run.stages[self.stage_index].name} acc={logs.get('accuracy', 0):.3f} "
@@ -176,13 +225,36 @@ class _EpochRecorder(keras.callbacks.Callback):
 
 
 class _Run:
-    def __init__(self, out_dir: Path, stages: list[Stage], config: TrainConfig):
+    """The run's files. Under multi-worker training every worker saves (reading mirrored and
+    batch-norm variables takes collectives that all workers must join), but only the chief
+    saves into the output folder; the others save into a scratch folder, deleted at the end."""
+
+    def __init__(self, out_dir: Path, stages: list[Stage], config: TrainConfig, chief: bool = True):
         self.out_dir = out_dir
+        self.chief = chief
+        self.scratch = None if chief else Path(tempfile.mkdtemp(prefix="edgeq-worker-"))
         self.ckpt = out_dir / "checkpoint"
         self.stages = stages
         self.config = config
         self.history: list[dict] = [{**s.to_dict(), "epochs": [], "final": None} for s in stages]
         self._manager = None
+
+    def path(self, name: str) -> Path:
+        """Where this process saves ``name`` (relative to the output folder)."""
+        return self.out_dir / name if self.chief else self.scratch / name
+
+    def save_model(self, model, name: str, **warning_filters) -> Path:
+        path = self.path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp, warnings.catch_warnings():
+            # .h5 is the format TF-MOT reloads its wrappers from; Keras' "legacy format" notice is not news
+            warnings.filterwarnings("ignore", message=".*HDF5 file.*")
+            model.save(str(tmp))
+        return path
+
+    def finish(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def save_checkpoint(self, model, stage_index: int, epochs_done: int) -> None:
         """Weights and optimizer state (tf.train.CheckpointManager), then state.json that points at them.
@@ -190,27 +262,28 @@ class _Run:
         The manager keeps the last two checkpoints, so the one state.json names exists at any
         moment a crash can happen: before, during or after either write.
         """
-        self.ckpt.mkdir(parents=True, exist_ok=True)
         if self._manager is None or self._manager[0] != (stage_index, id(model)):
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-            directory = self.ckpt / f"stage{stage_index}"
+            directory = self.path(f"checkpoint/stage{stage_index}")
             self._manager = ((stage_index, id(model)), tf.train.CheckpointManager(checkpoint, str(directory), 2))
         saved = Path(self._manager[1].save(checkpoint_number=epochs_done))
+        if not self.chief:
+            return
         _fsync_folder(saved.parent)
         self._write_state(stage_index, epochs_done, str(saved.relative_to(self.ckpt)))
         write_json_atomic(self.out_dir / "history.json", {"stages": self.history})
 
     def save_stage_start(self, float_model, stage_index: int) -> None:
         """The model a stage starts from; then state.json; then the earlier stages' files go."""
-        self.ckpt.mkdir(parents=True, exist_ok=True)
-        with atomic_path(self.ckpt / stage_start_name(stage_index)) as tmp:
-            float_model.save(str(tmp))
+        self.save_model(float_model, f"checkpoint/{stage_start_name(stage_index)}")
+        self._manager = None
+        if not self.chief:
+            return
         self._write_state(stage_index, 0, None)
         for old in range(stage_index):
             shutil.rmtree(self.ckpt / f"stage{old}", ignore_errors=True)
             (self.ckpt / stage_start_name(old)).unlink(missing_ok=True)
         shutil.rmtree(self.ckpt / f"stage{stage_index}", ignore_errors=True)
-        self._manager = None
 
     def _write_state(self, stage_index: int, epochs_done: int, checkpoint: str | None) -> None:
         write_json_atomic(
@@ -306,24 +379,35 @@ def _resolve(config: TrainConfig):
     return model, dataset, hp, recipe, user_model
 
 
-def _save_fp32(float_model, user_model, path: Path) -> None:
+def _save_fp32(run: _Run, float_model, user_model) -> None:
     """fp32.keras in the user's Keras: a Keras 3 input gets its own model back, trained."""
     if user_model is not None:
         copy_weights_into(float_model, user_model)
         float_model = user_model
-    with atomic_path(path) as tmp:
-        float_model.save(str(tmp))
+    run.save_model(float_model, FP32_NAME)
 
 
-def _accuracy(model, x, y, batch_size=256) -> float:
-    if len(x) == 0:
+def _accuracy(model, dataset, split: str, batch_size: int = 256) -> float:
+    """Top-1 accuracy on a split, streamed (and, under tf.distribute, shared across replicas)."""
+    if dataset.count(split) == 0:
         return float("nan")
-    pred = model.predict(x, batch_size=batch_size, verbose=0)
-    return float(np.mean(np.argmax(pred, axis=-1) == y))
+    data = pipeline.split_dataset(dataset, split, batch_size)
+    return float(model.evaluate(data, verbose=0, return_dict=True)["accuracy"])
 
 
 def train(config: TrainConfig, resume: bool = False, force: bool = False, progress: bool = False) -> TrainResult:
-    """FP32 training then QAT stages, writing models, history and run record to out_dir."""
+    """FP32 training then QAT stages, writing models, history and run record to out_dir.
+
+    Under ``config.strategy`` (edgeq.train.distribute) every stage runs in the strategy's
+    scope; in a multi-worker run each worker calls this with the same options, and only
+    the chief writes into out_dir.
+    """
+    dist = distribute.setup(config.strategy, config.replicas, config.workers, config.worker_index)
+    with dist.strategy.scope():
+        return _train(config, dist, resume, force, progress and dist.chief)
+
+
+def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool) -> TrainResult:
     out_dir = Path(config.out_dir)
     state_file = out_dir / "checkpoint" / "state.json"
     state = None
@@ -331,19 +415,26 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         if not state_file.is_file():
             raise UsageError(f"{out_dir}: nothing to resume (no checkpoint/state.json); run without --resume")
         state = json.loads(state_file.read_text())
-        config = TrainConfig(**state["config"])
+        cluster = {k: getattr(config, k) for k in ("strategy", "replicas", "workers", "worker_index")}
+        config = replace(TrainConfig(**state["config"]), **cluster)
         log.info("resuming %s at stage %d after %d epochs", out_dir, state["stage"], state["epochs_done"])
-    elif state_file.is_file() and not force:
+    elif dist.chief and state_file.is_file() and not force:
         raise UsageError(f"{out_dir} holds an unfinished run: continue it with --resume, or start over with --force")
-    elif (out_dir / "run.json").is_file() and not force:
+    elif dist.chief and (out_dir / "run.json").is_file() and not force:
         raise UsageError(f"{out_dir} already holds a finished run: choose another --out, or overwrite with --force")
 
     if config.weight_bits not in range(2, 9):
         raise UsageError(f"--weight-bits must be between 2 and 8, got {config.weight_bits}")
+    augment = pipeline.parse_augment(config.augment)
     # --seed N and TensorFlow's deterministic kernels: the same command gives the same weights
     keras.utils.set_random_seed(config.seed)
     tf.config.experimental.enable_op_determinism()
     model, dataset, hp, recipe, user_model = _resolve(config)
+    if augment and len(dataset.input_shape) != 3:
+        raise UsageError(
+            f"--augment {config.augment} is for images (H, W, C); {dataset.source} has samples of shape "
+            f"{dataset.input_shape}"
+        )
     stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], config.weight_bits, config.activation_bits)
     if not stages:
         raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
@@ -373,14 +464,15 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         # in seconds and with the layer names, never after the FP32 epochs.
         schemes.build_qat_model(model, settings)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    run = _Run(out_dir, stages, config)
+    if dist.chief:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    run = _Run(out_dir, stages, config, chief=dist.chief)
     start_stage, start_epoch = 0, 0
     if state is not None:
         run.history = state["history"]
         start_stage, start_epoch = int(state["stage"]), int(state["epochs_done"])
         model = load_user_model(out_dir / "checkpoint" / stage_start_name(start_stage))
-    elif force:
+    elif force and dist.chief:
         for name in (FP32_NAME, QAT_NAME, QAT_FLOAT_NAME, "run.json", "history.json"):
             if (out_dir / name).exists():
                 (out_dir / name).unlink()
@@ -397,7 +489,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
     if not any(s.kind == "fp32" for s in stages) and not (out_dir / FP32_NAME).exists():
         # QAT-only schedule: the model as given is the FP32 reference. Saved now, because QAT
         # copies its fine-tuned weights back into this very model object.
-        _save_fp32(model, user_model, out_dir / FP32_NAME)
+        _save_fp32(run, model, user_model)
     float_model = model
     fold_bn = config.fold_bn if config.fold_bn is not None else config.granularity == "per-tensor"
     # A resumed run restarts from checkpoint/stageN_start.keras, folded already if it was.
@@ -425,6 +517,8 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
                 run.save_stage_start(float_model, index)
             if stage.kind == "fp32":
                 stage_model = float_model
+                if dist.replicas > 1:
+                    synchronize_batchnorm(stage_model)
                 _compile(stage_model, hp["learning_rate"])
             else:
                 n = max(1, math.ceil(stage.layer_fraction * len(quantizable)))
@@ -435,29 +529,32 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
                     initialized[stage.name] = initialize_ranges(
                         stage_model,
                         float_model,
-                        dataset.calibration_samples(min(256, len(dataset.x_train))),
+                        dataset.calibration_samples(min(256, dataset.count("train"))),
                         config.init_ranges,
                         stage.activation_bits,
                         symmetric=config.activations == "symmetric",
                     )
+                if dist.replicas > 1:
+                    synchronize_batchnorm(stage_model)
                 _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value)
             if initial_epoch > 0:
                 restore_checkpoint(stage_model, out_dir / "checkpoint", state)
             t0 = time.perf_counter()
             if initial_epoch < stage.epochs:
+                train_data = pipeline.split_dataset(
+                    dataset, "train", hp["batch_size"], training=True, seed=config.seed, augment=augment
+                )
+                val_data = pipeline.split_dataset(dataset, "val", hp["batch_size"]) if dataset.count("val") else None
                 stage_model.fit(
-                    dataset.x_train,
-                    dataset.y_train,
-                    validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,
+                    train_data,
+                    validation_data=val_data,
                     epochs=stage.epochs,
                     initial_epoch=initial_epoch,
-                    batch_size=hp["batch_size"],
-                    shuffle=True,
                     verbose=0,
                     callbacks=[_EpochRecorder(run, index, bar)],
                 )
-            val_acc = _accuracy(stage_model, dataset.x_val, dataset.y_val)
-            test_acc = _accuracy(stage_model, dataset.x_test, dataset.y_test)
+            val_acc = _accuracy(stage_model, dataset, "val")
+            test_acc = _accuracy(stage_model, dataset, "test")
             result = StageResult(
                 stage.name,
                 stage.kind,
@@ -472,7 +569,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
             run.history[index]["final"] = {"val_accuracy": val_acc, "test_accuracy": test_acc}
             log.info("stage %s: val %.4f test %.4f", stage.name, val_acc, test_acc)
             if stage.kind == "fp32":
-                _save_fp32(float_model, user_model, out_dir / FP32_NAME)
+                _save_fp32(run, float_model, user_model)
             else:
                 schemes.copy_float_weights(stage_model, float_model)
                 qat_model = stage_model
@@ -487,13 +584,14 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
 
     qat_path = None
     if qat_model is not None:
-        qat_path = out_dir / QAT_NAME
-        with atomic_path(qat_path) as tmp, warnings.catch_warnings():
-            # .h5 is the format TF-MOT reloads its wrappers from; Keras' "legacy format" notice is not news
-            warnings.filterwarnings("ignore", message=".*HDF5 file.*")
-            qat_model.save(str(tmp))
-        with atomic_path(out_dir / QAT_FLOAT_NAME) as tmp:
-            float_model.save(str(tmp))
+        qat_path = run.save_model(qat_model, QAT_NAME)
+        run.save_model(float_model, QAT_FLOAT_NAME)
+    ranges = quantizer_ranges(qat_model) if qat_model is not None else None
+    if not dist.chief:
+        run.finish()
+        return TrainResult(
+            out_dir, None, None, out_dir / "history.json", out_dir / "run.json", tuple(results), ranges=ranges
+        )
     write_json_atomic(out_dir / "history.json", {"stages": run.history})
     record = {
         "kind": "edgeq.train",
@@ -506,6 +604,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
             "batchnorm_folded_before_qat": bool(fold_bn),
             "float_layers": schemes.float_layers(qat_model) if qat_model is not None else [],
             "initial_activation_ranges": {"method": config.init_ranges, "set_per_stage": initialized},
+            "final_ranges": ranges,
         },
         "schedule": [s.to_dict() for s in stages],
         "data": dataset.describe(),
@@ -515,6 +614,12 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         "results": [asdict(r) for r in results],
         "resumed_from": [start_stage, start_epoch] if state is not None else None,
         "train_seconds": round(time.perf_counter() - started, 3),
+        "distribution": {
+            **dist.describe(),
+            "global_batch_size": hp["batch_size"],
+            "batchnorm": "statistics over the global batch (synchronized)" if dist.replicas > 1 else "per batch",
+        },
+        "augment": list(augment),
         # Which Keras wrote each file: QAT needs tf_keras; fp32.keras is in the Keras given.
         "keras": {
             "given": "keras3" if user_model is not None else "tf_keras",
@@ -539,4 +644,5 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         stages=tuple(results),
         resumed_from=(start_stage, start_epoch) if state is not None else None,
         float_layers=tuple(record["quantization"]["float_layers"]),
+        ranges=ranges,
     )

@@ -1,0 +1,122 @@
+"""Training data as tf.data: streamed, shuffled with a bounded buffer, batched, prefetched.
+
+Every source becomes a ``tf.data.Dataset`` of (float sample, label) with the source's
+fixed splits and recorded normalisation. In-memory sources (digits, synthetic, npz) are
+sliced; image folders and TFRecords are decoded lazily, one image at a time, through the
+same Pillow decoder as eval and profile (``EncodedImages.decode``), so memory does not
+grow with the data set.
+
+The batch is the global batch: under tf.distribute, Keras splits it across replicas and
+the data is sharded per worker by element (``AutoShardPolicy.DATA``). Every worker shuffles
+with the same seed, so the global batches of a 2-worker run are those of a 1-worker run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeq.compat import tf
+from edgeq.data import TFRECORD_IMAGE, EncodedImages, _parse_tfrecord
+from edgeq.errors import UsageError
+
+AUGMENTS = ("flip", "crop")
+SHUFFLE_BUFFER = 10_000  # samples; image paths are shuffled whole (they are small)
+
+
+def parse_augment(spec: str | None) -> tuple[str, ...]:
+    """``flip,crop`` -> ("flip", "crop"); an unknown name is a one-line error."""
+    if not spec:
+        return ()
+    names = tuple(dict.fromkeys(p.strip() for p in spec.split(",") if p.strip()))
+    unknown = [n for n in names if n not in AUGMENTS]
+    if unknown:
+        raise UsageError(f"--augment {spec!r}: unknown {', '.join(unknown)}; choose from {', '.join(AUGMENTS)}")
+    return names
+
+
+def _options() -> tf.data.Options:
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    options.deterministic = True
+    return options
+
+
+def _decoder(data: EncodedImages):
+    shape = data.input_shape
+
+    def decode_bytes(encoded):
+        return data.decode(bytes(encoded))
+
+    def decode_file(path):
+        with open(path.decode() if isinstance(path, bytes) else str(path), "rb") as fh:
+            return data.decode(fh.read(), str(path))
+
+    def run(fn, value):
+        x = tf.numpy_function(fn, [value], tf.float32, stateful=False)
+        return tf.ensure_shape(x, shape)
+
+    return (lambda path: run(decode_file, path)), (lambda encoded: run(decode_bytes, encoded))
+
+
+def _encoded_split(data: EncodedImages, split: str, shuffle: bool, seed: int) -> tf.data.Dataset:
+    labels = data.labels(split).astype(np.int64)
+    from_path, from_bytes = _decoder(data)
+    if data.kind == "files":
+        ds = tf.data.Dataset.from_tensor_slices((np.asarray(data.refs(split), dtype=str), labels))
+        if shuffle:  # the whole list of paths: a full shuffle at the cost of a few bytes per image
+            ds = ds.shuffle(len(labels), seed=seed, reshuffle_each_iteration=True)
+        return ds.map(lambda p, y: (from_path(p), y), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    mask = np.zeros(data.total, dtype=bool)
+    mask[data.indices(split)] = True
+    ds = tf.data.TFRecordDataset(data.files)  # records in the order EncodedImages numbered them
+    in_split = tf.constant(mask)
+    ds = ds.enumerate().filter(lambda i, _: tf.gather(in_split, i)).map(lambda _, r: r)
+    ds = tf.data.Dataset.zip((ds, tf.data.Dataset.from_tensor_slices(labels)))
+    if shuffle:
+        ds = ds.shuffle(min(len(labels), SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
+    return ds.map(
+        lambda r, y: (from_bytes(_parse_tfrecord(tf, r)[TFRECORD_IMAGE]), y),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+
+
+def _augment(ds: tf.data.Dataset, names: tuple[str, ...], shape: tuple[int, ...], seed: int) -> tf.data.Dataset:
+    """Stateless random flips and crops, seeded per sample from a seeded stream: the same
+    ``--seed`` gives the same augmentation, and each epoch another."""
+    h, w = int(shape[0]), int(shape[1])
+    pad_h, pad_w = max(1, h // 8), max(1, w // 8)
+    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(4)
+
+    def apply(sample, key):
+        (x, y), key = sample, tf.reshape(key, (2, 2))
+        if "flip" in names:
+            x = tf.image.stateless_random_flip_left_right(x, seed=key[0])
+        if "crop" in names:
+            padded = tf.pad(x, [[pad_h, pad_h], [pad_w, pad_w], [0, 0]], mode="REFLECT")
+            x = tf.image.stateless_random_crop(padded, tf.shape(x), seed=key[1])
+        return x, y
+
+    return tf.data.Dataset.zip((ds, seeds)).map(apply, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def split_dataset(
+    data,
+    split: str,
+    batch_size: int,
+    *,
+    training: bool = False,
+    seed: int = 0,
+    augment: tuple[str, ...] = (),
+) -> tf.data.Dataset:
+    """One split as batches of ``batch_size`` (the global batch); shuffled and augmented when ``training``."""
+    if isinstance(data, EncodedImages):
+        ds = _encoded_split(data, split, training, seed)
+    else:
+        x, y = data.split(split)
+        ds = tf.data.Dataset.from_tensor_slices((x, np.asarray(y, dtype=np.int64)))
+        if training:
+            ds = ds.shuffle(min(len(y), SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
+    if training and augment:
+        ds = _augment(ds, augment, data.input_shape, seed)
+    return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE).with_options(_options())

@@ -1,0 +1,176 @@
+"""edgeq train under tf.distribute: 2 real worker processes on 127.0.0.1, and 2 logical CPUs.
+
+The same short digits-cnn schedule (FP32 + QAT) runs on 1 worker (in this process), on 2
+workers (MultiWorkerMirroredStrategy, TF_CONFIG per process) and on 2 replicas in one
+process (MirroredStrategy). Same global batch, same seed: the QAT models must reach test
+accuracies within 0.5 pp, their int8 TFLite models must agree on >= 99% of the test
+samples, every worker must end with the same quantizer ranges, and only the chief writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from edgeq.errors import UsageError
+from edgeq.train.distribute import cluster_config, setup
+
+SCHEDULE = ["--epochs", "4", "--qat-epochs", "1", "--batch-size", "32", "--seed", "0"]
+OUTPUTS = {"fp32.keras", "qat.h5", "qat_float.keras", "history.json", "run.json"}
+HANG_GUARD_S = 900  # only to end a hung collective: a run takes about a minute
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    return {**env, "TF_CPP_MIN_LOG_LEVEL": "3", **extra}
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _edgeq(*args, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "edgeq", "train", "digits-cnn", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=HANG_GUARD_S)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    """The reference: the same schedule on one process, default strategy."""
+    out = tmp_path_factory.mktemp("dist") / "one"
+    (rc, stdout, stderr) = _finish([_edgeq("--out", str(out), *SCHEDULE, env=_env())])[0]
+    assert rc == 0, stderr
+    return out
+
+
+def _int8(run_dir):
+    from edgeq.convert import ConvertOptions, convert
+
+    return convert(run_dir / "qat.h5", run_dir / "int8.tflite", ConvertOptions(mode="int8-only")).path
+
+
+def _same_model(run_dir, reference_dir):
+    """The run's int8 model against the reference run's: accuracy and agreement on the test split."""
+    from edgeq.evaluate import evaluate
+
+    return evaluate(_int8(run_dir), reference_dir / "int8.tflite", "digits")
+
+
+def _check_against_one_worker(run_dir, one_worker, replicas: int, workers: int):
+    record = json.loads((run_dir / "run.json").read_text())
+    one = json.loads((one_worker / "run.json").read_text())
+    dist = record["distribution"]
+    assert (dist["replicas"], dist["workers"], dist["global_batch_size"]) == (replicas, workers, 32)
+    assert one["distribution"]["replicas"] == 1
+    qat, qat_one = record["results"][-1], one["results"][-1]
+    assert qat["kind"] == "qat"
+    assert abs(qat["test_accuracy"] - qat_one["test_accuracy"]) * 100 <= 0.5
+    if not (one_worker / "int8.tflite").exists():
+        _int8(one_worker)
+    same = _same_model(run_dir, one_worker)
+    assert same.agreement >= 0.99, same
+    assert abs(same.accuracy - same.reference_accuracy) * 100 <= 0.5
+    fp32 = record["results"][0]["test_accuracy"]
+    assert fp32 - same.accuracy <= 0.005, (fp32, same.accuracy)  # int8-only within 0.5 pp of FP32
+    assert record["quantization"]["final_ranges"]["equal_across_local_replicas"] is True
+    return record
+
+
+def test_two_worker_processes_train_what_one_does(tmp_path, one_worker):
+    out = tmp_path / "two"
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs = [
+        _edgeq(
+            "--out",
+            str(out),
+            *SCHEDULE,
+            "--strategy",
+            "multi-worker",
+            env=_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})),
+        )
+        for i in range(2)
+    ]
+    (rc0, out0, err0), (rc1, out1, err1) = _finish(procs)
+    assert rc0 == 0 and rc1 == 0, err0 + err1
+    assert "worker done" in out1 and "worker done" not in out0
+    record = _check_against_one_worker(out, one_worker, replicas=2, workers=2)
+    # every worker ended with the chief's quantizer ranges
+    assert record["quantization"]["final_ranges"]["sha256"] in out1
+    # only the chief wrote, and nothing of the run is left behind
+    assert {p.name for p in out.iterdir()} == OUTPUTS | {"int8.tflite", "int8.manifest.json"}
+    for stderr in (err0, err1):
+        assert "Traceback" not in stderr and "E0000" not in stderr
+
+
+def test_two_logical_cpus_under_mirrored_train_what_one_does(tmp_path, one_worker):
+    out = tmp_path / "mirrored"
+    (rc, stdout, stderr) = _finish(
+        [_edgeq("--out", str(out), *SCHEDULE, "--strategy", "mirrored", "--replicas", "2", env=_env())]
+    )[0]
+    assert rc == 0, stderr
+    record = _check_against_one_worker(out, one_worker, replicas=2, workers=1)
+    assert record["distribution"]["batchnorm"].startswith("statistics over the global batch")
+
+
+def test_the_cluster_comes_from_tf_config_or_the_options(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(UsageError, match="TF_CONFIG"):
+        cluster_config(None, None)
+    config = cluster_config("10.0.0.1:2222,10.0.0.2:2222", 1)
+    assert config == {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}, "task": {"type": "worker", "index": 1}}
+    with pytest.raises(UsageError, match="--worker-index, 0 to 1"):
+        cluster_config("10.0.0.1:2222,10.0.0.2:2222", 2)
+    with pytest.raises(UsageError, match="host:port"):
+        cluster_config("10.0.0.1", 0)
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(UsageError, match="not a cluster spec"):
+        cluster_config(None, None)
+    three = {"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(three))
+    with pytest.raises(UsageError, match="task index 3"):
+        cluster_config(None, None)
+
+
+def test_a_strategy_after_tensorflow_started_is_one_clear_error():
+    """In a process whose TensorFlow already runs (this one), logical devices cannot be added."""
+    from edgeq.compat import tf
+
+    tf.constant(1.0)
+    with pytest.raises(UsageError, match="before TensorFlow starts.*own process"):
+        setup("mirrored", replicas=2)
+    with pytest.raises(UsageError, match="--replicas is for --strategy mirrored"):
+        setup("default", replicas=2)
+    with pytest.raises(UsageError, match="--workers and --worker-index are for"):
+        setup("mirrored", workers="a:1")
