@@ -174,3 +174,37 @@ def test_a_strategy_after_tensorflow_started_is_one_clear_error():
         setup("default", replicas=2)
     with pytest.raises(UsageError, match="--workers and --worker-index are for"):
         setup("mirrored", workers="a:1")
+
+
+@pytest.mark.slow
+def test_a_killed_multi_worker_run_resumes_on_every_worker(tmp_path):
+    """Both workers die (SIGKILL) after the chief checkpointed epoch 2; --resume on both finishes the run."""
+    out = tmp_path / "run"
+    hosts = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+
+    def worker(i, *extra, **env):
+        return _edgeq(
+            "--out", str(out), "--strategy", "multi-worker", "--workers", ",".join(hosts), "--worker-index", str(i),
+            *extra, env=_env(**env),
+        )  # fmt: skip
+
+    procs = [worker(i, "--epochs", "4", "--qat-epochs", "1", EDGEQ_TEST_PAUSE_AFTER_EPOCH="2") for i in range(2)]
+    try:
+        for line in procs[0].stderr:  # the chief says when it has paused: no timer involved
+            if "paused after epoch 2" in line:
+                break
+        else:
+            pytest.fail(f"the chief ended before epoch 2: {procs[0].wait()}")
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert not (out / "run.json").exists()
+    hosts[:] = [f"127.0.0.1:{p}" for p in _free_ports(2)]  # fresh ports: the killed ones may linger
+    (rc0, out0, err0), (rc1, out1, err1) = _finish([worker(i, "--resume") for i in range(2)])
+    assert rc0 == 0 and rc1 == 0, err0 + err1
+    record = json.loads((out / "run.json").read_text())
+    assert record["resumed_from"] == [0, 2]
+    assert [len(s["epochs"]) for s in json.loads((out / "history.json").read_text())["stages"]] == [4, 1]
+    assert record["quantization"]["final_ranges"]["sha256"] in out1
+    assert {p.name for p in out.iterdir()} == OUTPUTS

@@ -229,10 +229,15 @@ class _Run:
     batch-norm variables takes collectives that all workers must join), but only the chief
     saves into the output folder; the others save into a scratch folder, deleted at the end."""
 
-    def __init__(self, out_dir: Path, stages: list[Stage], config: TrainConfig, chief: bool = True):
+    def __init__(self, out_dir: Path, stages: list[Stage], config: TrainConfig, chief: bool = True, worker: int = 0):
         self.out_dir = out_dir
         self.chief = chief
-        self.scratch = None if chief else Path(tempfile.mkdtemp(prefix="edgeq-worker-"))
+        self.scratch = None
+        if not chief:  # one per run and worker: a worker killed before it could clean up leaves one, reused next time
+            key = hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:12]
+            self.scratch = Path(tempfile.gettempdir()) / f"edgeq-worker-{key}-{worker}"
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch.mkdir(parents=True)
         self.ckpt = out_dir / "checkpoint"
         self.stages = stages
         self.config = config
@@ -466,7 +471,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
 
     if dist.chief:
         out_dir.mkdir(parents=True, exist_ok=True)
-    run = _Run(out_dir, stages, config, chief=dist.chief)
+    run = _Run(out_dir, stages, config, chief=dist.chief, worker=dist.worker_index)
     start_stage, start_epoch = 0, 0
     if state is not None:
         run.history = state["history"]
