@@ -248,7 +248,7 @@ class _Run:
         """Where this process saves ``name`` (relative to the output folder)."""
         return self.out_dir / name if self.chief else self.scratch / name
 
-    def save_model(self, model, name: str, **warning_filters) -> Path:
+    def save_model(self, model, name: str) -> Path:
         path = self.path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp, warnings.catch_warnings():
