@@ -1,0 +1,105 @@
+"""Fleet logic at scale without sshd: devices with ``host = "local"`` (LocalTransport).
+
+Each device has its own work folder and bootstraps on its own (the wheels unpacked into its
+``site``), so push, profile, batches, failure budgets and summaries run exactly as over SSH.
+test_fleet.py's real sshd stays the proof of the SSH path.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgeq.errors import DeviceError
+from edgeq.fleet.inventory import Device
+from edgeq.fleet.transport import LocalTransport, backoff_delay, connect
+
+from .conftest import DIGITS, INT8
+
+DEVICES = 16
+BROKEN = ("dev00", "dev01", "dev02")  # a Python that does not exist: they fail, the rest go on
+
+
+def _inventory(root: Path, names, broken=BROKEN) -> Path:
+    blocks = []
+    for name in names:
+        python = "/nonexistent/python3" if name in broken else sys.executable
+        blocks.append(f'[devices.{name}]\nhost = "local"\npython = "{python}"\nworkdir = "{root / name}"\n')
+    path = root / "devices.toml"
+    path.write_text("\n".join(blocks))
+    return path
+
+
+def _rows(stdout: str) -> dict[str, str]:
+    return {line.split()[0]: line.split()[1] for line in stdout.splitlines()[1:] if line.split()}
+
+
+@pytest.fixture(scope="module")
+def local_fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local-fleet")
+    return root, _inventory(root, [f"dev{i:02d}" for i in range(DEVICES)])
+
+
+def test_push_and_profile_on_a_local_fleet_name_the_failed_devices(cli, local_fleet, tmp_path, monkeypatch):
+    root, inventory = local_fleet
+    monkeypatch.chdir(tmp_path)
+    pushed = cli("push", INT8, DIGITS, "--to", "all", "--inventory", inventory, "-j", "8")
+    assert pushed.exit_code == 5, pushed.output  # some failed
+    rows = _rows(pushed.stdout)
+    assert {n for n, s in rows.items() if s == "failed"} == set(BROKEN)
+    assert sum(s == "ok" for s in rows.values()) == DEVICES - len(BROKEN)
+    assert f"failed on {len(BROKEN)} of {DEVICES} device(s): {', '.join(BROKEN)}" in pushed.stderr
+    for i in range(len(BROKEN), DEVICES):
+        assert (root / f"dev{i:02d}" / "models" / INT8.name).read_bytes() == INT8.read_bytes()
+
+    again = cli("push", INT8, DIGITS, "--to", "all", "--inventory", inventory, "-j", "8")
+    assert again.exit_code == 5
+    unchanged = [line.split() for line in again.stdout.splitlines()[1:] if " ok " in f" {line} "]
+    assert unchanged and all(cols[2:4] == ["0", "2"] for cols in unchanged)  # uploaded 0, unchanged 2
+
+    profiled = cli("profile", INT8, "--data", DIGITS, "--runs", "5", "--on", "all", "--inventory", inventory, "-j", "8")
+    assert profiled.exit_code == 5, profiled.output
+    assert {n for n, s in _rows(profiled.stdout).items() if s == "failed"} == set(BROKEN)
+    for i in range(len(BROKEN), DEVICES):
+        report = json.loads((tmp_path / "results" / f"dev{i:02d}" / "tiny_int8.profile.json").read_text())
+        assert report["model"]["accuracy"]["accuracy"] > 0.9
+
+
+def test_a_spent_failure_budget_stops_the_rollout(cli, local_fleet):
+    """Batches of 4 with --max-fail 10% (1 of 16): the first batch holds the 3 broken devices,
+    so the rollout stops there (exit 6) and the 12 devices of later batches are not touched."""
+    _, inventory = local_fleet
+    stopped = cli("devices", "check", "all", "--inventory", inventory, "--batch", "4", "--max-fail", "10%")
+    assert stopped.exit_code == 6, stopped.output
+    rows = _rows(stopped.stdout)
+    assert [rows[f"dev{i:02d}"] for i in range(4)] == ["failed", "failed", "failed", "ok"]
+    assert {rows[f"dev{i:02d}"] for i in range(4, DEVICES)} == {"skipped"}
+    assert "rollout stopped" in stopped.stderr and f"{DEVICES - 4} of {DEVICES} not attempted" in stopped.stderr
+
+
+def test_a_local_timeout_kills_the_whole_process_group(tmp_path):
+    seconds = random.randrange(600_000, 900_000)  # a sleep no other process on this machine has
+    transport = connect(Device(name="here", host="local", workdir=str(tmp_path)))
+    assert isinstance(transport, LocalTransport)
+    script = f"sleep {seconds} & sleep {seconds}"  # a child in the background, as a profile's workers are
+    with pytest.raises(DeviceError, match="timed out after 1 s"):
+        transport.run(["sh", "-c", script], timeout=1)
+    left = subprocess.run(["pgrep", "-f", f"sleep {seconds}"], capture_output=True, text=True).stdout.split()
+    assert not left, subprocess.run(["ps", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout
+    transport.close()
+    with pytest.raises(DeviceError, match="not connected"):
+        transport.run(["true"])
+
+
+def test_retries_back_off_exponentially_with_jitter():
+    rng = random.Random(0)
+    for attempt in (1, 2, 3):
+        delays = [backoff_delay(attempt, 0.5, rng) for _ in range(200)]
+        base = 0.5 * 2 ** (attempt - 1)
+        assert all(0.5 * base <= d < 1.5 * base for d in delays)
+        assert len({round(d, 6) for d in delays}) > 150  # spread, not one instant for every device
