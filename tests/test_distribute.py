@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from edgeq.errors import UsageError
@@ -208,3 +209,61 @@ def test_a_killed_multi_worker_run_resumes_on_every_worker(tmp_path):
     assert [len(s["epochs"]) for s in json.loads((out / "history.json").read_text())["stages"]] == [4, 1]
     assert record["quantization"]["final_ranges"]["sha256"] in out1
     assert {p.name for p in out.iterdir()} == OUTPUTS
+
+
+RANGES_CHECK = r"""
+import json, os, sys
+os.environ["EDGEQ_DEFER_RUNTIME"] = "1"
+from edgeq.train.distribute import setup
+
+two = setup("mirrored", replicas=2).strategy
+import numpy as np
+from edgeq.compat import keras, tf
+from edgeq.shims.tfmot import global_batch_ranges
+from edgeq.train import schemes
+from edgeq.train.fit import _compile, quantizer_ranges
+
+global_batch_ranges(sys.argv[1] == "fix")
+rng = np.random.default_rng(0)
+x = (rng.normal(size=(96, 8, 8, 1)) * rng.uniform(0.5, 3.0, size=(96, 1, 1, 1))).astype("float32")
+y = rng.integers(0, 3, 96)
+keras.utils.set_random_seed(0)
+inputs = keras.Input((8, 8, 1))
+h = keras.layers.ReLU()(keras.layers.Conv2D(4, 3)(inputs))
+start = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(h))).get_weights()
+out = {}
+for name, strategy in (("one", tf.distribute.get_strategy()), ("two", two)):
+    with strategy.scope():
+        inputs = keras.Input((8, 8, 1))
+        h = keras.layers.ReLU()(keras.layers.Conv2D(4, 3)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(h)))
+        model.set_weights(start)
+        qat = schemes.build_qat_model(model, schemes.QuantSettings())
+        _compile(qat, 1e-3)
+    qat.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2, verbose=0)
+    ranges = [w for w in qat.weights if w.name.endswith(("_min:0", "_max:0"))]
+    values = [[w.name, np.asarray(w.numpy()).ravel().tolist()] for w in ranges]  # names differ: compare in order
+    out[name] = {"summary": quantizer_ranges(qat), "values": values}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["global-batch ranges", "TF-MOT as it is"])
+def test_two_replicas_update_ranges_from_the_global_batch(fixed):
+    """TF-MOT alone: the 2 replicas end with different input ranges (each saw its half of every
+    batch). With edgeq's shim: every replica holds the ranges a 1-replica run of the same batches
+    reaches (the input range exactly, the moving averages to float rounding)."""
+    run = subprocess.run(
+        [sys.executable, "-c", RANGES_CHECK, "fix" if fixed else "off"],
+        capture_output=True, text=True, env=_env(), timeout=HANG_GUARD_S,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    one, two = out["one"], out["two"]
+    assert two["summary"]["equal_across_local_replicas"] is fixed
+    assert len(one["values"]) == len(two["values"]) > 2
+    if fixed:
+        for (name, value), (_, other) in zip(one["values"], two["values"]):
+            assert np.allclose(other, value, atol=1e-4), (name, value, other)
+            if name.startswith("quantize_layer"):  # the input range: min/max over the same samples
+                assert other == value, (name, value, other)

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.runtime",),
     # ---- host side from here up: TensorFlow may be imported (through edgeq.compat)
     ("edgeq.compat",),
-    ("edgeq.shims.tflite",),
+    ("edgeq.shims.tflite", "edgeq.shims.tfmot"),
     ("edgeq.quantize_configs",),
     ("edgeq.data",),
     ("edgeq.model_io", "edgeq.keras3"),

@@ -8,6 +8,7 @@ import click
 
 from edgeq.commands.ui import (
     failed_exit,
+    health_options,
     host_key_option,
     human_bytes,
     inventory_option,
@@ -121,6 +122,7 @@ def render(report) -> str:
 @click.option("--on", "on_targets", multiple=True, metavar="NAME|tag:X|all", help="Run on these devices over SSH.")
 @inventory_option(help="Device inventory (with --on).")
 @rollout_options
+@health_options
 @click.option("--results", "results_dir", default="results", show_default=True, help="With --on: JSON to DIR/DEVICE/.")
 @host_key_option(help="With --on: record unknown host keys (changed ones fail).")
 def profile(
@@ -139,6 +141,7 @@ def profile(
     on_targets: tuple[str, ...] = (),
     inventory_path: str | None = None,
     rollout=None,
+    health=None,
     results_dir: str = "results",
     accept_new_host_keys: bool = False,
 ) -> None:
@@ -164,7 +167,7 @@ def profile(
             runtime=runtime,
             compare=compare,
         )
-        _profile_fleet(model, options, on_targets, inventory_path, rollout, results_dir, accept_new_host_keys)
+        _profile_fleet(model, options, on_targets, inventory_path, rollout, results_dir, accept_new_host_keys, health)
         return
     from edgeq.runtime.profile import profile_model, report_to_dict
 
@@ -186,7 +189,7 @@ def profile(
         write_json_output(report_to_dict(report), json_out)
 
 
-def _profile_fleet(model, options, targets, inventory_path, rollout, results_dir, accept_new) -> None:
+def _profile_fleet(model, options, targets, inventory_path, rollout, results_dir, accept_new, health=None) -> None:
     """``edgeq profile --on``: bounded parallelism, failures contained, non-zero exit if any failed."""
     from edgeq.errors import ModelLoadError
     from edgeq.fleet.remote import for_each_device, profile_on
@@ -197,7 +200,7 @@ def _profile_fleet(model, options, targets, inventory_path, rollout, results_dir
     chosen = select_devices(inventory_path, targets, accept_new)
     outcomes = for_each_device(
         chosen,
-        lambda device, on_event: profile_on(device, model, options, results_dir, on_event),
+        lambda device, on_event: profile_on(device, model, options, results_dir, on_event, health),
         rollout=rollout,
         on_event=progress_printer(),
     )

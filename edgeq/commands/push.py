@@ -13,6 +13,7 @@ from edgeq.commands import ui
 @ui.inventory_option
 @ui.host_key_option
 @ui.rollout_options
+@ui.health_options
 @click.option("--wheel", metavar="WHEEL", help="edgeq wheel to install (default: built from this checkout).")
 @click.option(
     "--wheels", "wheels_dir", metavar="DIR", help="Dependency wheels for offline devices (default: pip download)."
@@ -22,7 +23,7 @@ from edgeq.commands import ui
     is_flag=True,
     help="Make the previous version of each named MODEL live again on the devices (push keeps one).",
 )
-def push(files, targets, inventory_path, accept_new_host_keys, rollout, wheel, wheels_dir, rollback) -> None:
+def push(files, targets, inventory_path, accept_new_host_keys, rollout, health, wheel, wheels_dir, rollback) -> None:
     """Upload MODEL... (any files) to each device's work directory, checked by sha256.
 
     A file that replaces another keeps the replaced version on the device; --rollback swaps
@@ -46,7 +47,7 @@ def push(files, targets, inventory_path, accept_new_host_keys, rollout, wheel, w
         return
     outcomes = for_each_device(
         chosen,
-        lambda device, on_event: push_to(device, files, on_event, wheel=wheel, wheels_dir=wheels_dir),
+        lambda device, on_event: push_to(device, files, on_event, health, wheel=wheel, wheels_dir=wheels_dir),
         rollout=rollout,
         on_event=ui.progress_printer(),
     )

@@ -119,6 +119,8 @@ def train(model, out_dir, resume, force, model_options, activation_bits, **optio
         for s in result.stages
     ]
     click.echo(table(["stage", "kind", "epochs", "precision", "val acc", "test acc", "seconds"], rows))
+    if result.distribution and result.distribution.get("cross_replica_ranges"):
+        click.echo(f"ranges under {result.distribution['strategy']}: {result.distribution['cross_replica_ranges']}")
     if result.float_layers:
         click.echo(f"left float in QAT: {', '.join(result.float_layers)}")
     click.echo(f"FP32 model: {result.fp32_model}")

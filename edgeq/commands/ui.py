@@ -119,6 +119,35 @@ def rollout_options(f):
     return command
 
 
+def health_options(f):
+    """--health-check/--no-health-check, --max-temp, --max-load, --min-free: handed to the command as
+    one ``health`` (fleet.health.HealthLimits, or None when the check is off)."""
+
+    @functools.wraps(f)
+    def command(*args, health_check, max_temp, max_load, min_free, **kwargs):
+        from edgeq.fleet.health import HealthLimits
+
+        limits = HealthLimits(min_free_mib=min_free, max_temperature_c=max_temp, max_load_per_cpu=max_load)
+        return f(*args, health=limits if health_check else None, **kwargs)
+
+    options = [
+        click.option(
+            "--health-check/--no-health-check",
+            default=True,
+            show_default=True,
+            help="Before anything is uploaded, skip (with the reason) devices short of disk, too hot or throttled.",
+        ),
+        click.option("--max-temp", default=80.0, show_default=True, type=float, help="Health: hottest zone, °C."),
+        click.option("--max-load", type=float, help="Health: 1-minute load per CPU above which a device is skipped."),
+        click.option(
+            "--min-free", default=64.0, show_default=True, type=float, help="Health: MiB free in the work directory."
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def select_devices(inventory_path: str | None, targets, accept_new: bool = False):
     """Devices named by NAME / tag:X / all (several allowed), with the host-key policy applied."""
     from edgeq.fleet.inventory import load_inventory, with_policy
@@ -146,7 +175,7 @@ def failed_exit(outcomes) -> None:
     """Exit 6 when a rollout stopped at its failure budget, 5 when some devices failed (naming them)."""
     from edgeq.errors import DevicesFailed, RolloutStopped
 
-    failed = [o.device for o in outcomes if o.status == "failed"]
+    failed = [o.device for o in outcomes if o.status in ("failed", "unhealthy")]
     skipped = [o.device for o in outcomes if o.status == "skipped"]
     if skipped:
         raise RolloutStopped(

@@ -21,6 +21,7 @@ import numpy as np
 
 from edgeq.errors import DeviceError, EdgeqError, FleetInterrupted
 from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe
+from edgeq.fleet.health import DeviceUnhealthy, HealthLimits, check_health
 from edgeq.fleet.inventory import Device
 from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files
 from edgeq.fleet.rollout import Rollout
@@ -120,6 +121,9 @@ def for_each_device(
         start = time.monotonic()
         try:
             result = work(device, on_event)
+        except DeviceUnhealthy as exc:
+            on_event(device.name, f"skipped: {exc}")
+            return DeviceOutcome(device.name, "unhealthy", time.monotonic() - start, str(exc))
         except EdgeqError as exc:
             on_event(device.name, f"failed: {exc}")
             return DeviceOutcome(device.name, "failed", time.monotonic() - start, str(exc))
@@ -137,7 +141,7 @@ def for_each_device(
     futures = []
     try:
         for batch in rollout.batches(devices):
-            failed = sum(o.status == "failed" for o in outcomes)
+            failed = sum(o.status in ("failed", "unhealthy") for o in outcomes)
             if budget is not None and failed > budget:
                 reason = f"not attempted: the rollout stopped after {failed} failed device(s) (--max-fail "
                 reason += f"{rollout.max_fail})"
@@ -201,9 +205,24 @@ def push_to_device(
     return PushSummary(runtime, tuple(records))
 
 
-def push_to(device: Device, files: Sequence[str | Path], on_event: Event = _noop, **kwargs) -> PushSummary:
+def _health_check(transport: Transport, files, limits: HealthLimits | None, on_event: Event) -> None:
+    if limits is None:
+        return
+    on_event(transport.device.name, "health check")
+    need = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
+    check_health(transport, transport.expand(transport.device.workdir), limits, need)
+
+
+def push_to(
+    device: Device,
+    files: Sequence[str | Path],
+    on_event: Event = _noop,
+    health: HealthLimits | None = None,
+    **kwargs,
+) -> PushSummary:
     on_event(device.name, "connecting")
     with connect(device) as transport:
+        _health_check(transport, files, health, on_event)
         return push_to_device(transport, files, on_event, **kwargs)
 
 
@@ -229,6 +248,7 @@ def profile_on(
     options: ProfileOptions,
     results_dir: str | Path,
     on_event: Event = _noop,
+    health: HealthLimits | None = None,
 ) -> RemoteProfile:
     """Push the model (and --compare/--data files), run ``edgeq profile`` there, fetch the JSON."""
     files = [Path(model)] + [Path(p) for p in (options.compare, options.data) if p]
@@ -237,6 +257,7 @@ def profile_on(
         files.append(manifest)  # the device reads raw data by the normalisation it records
     on_event(device.name, "connecting")
     with connect(device) as transport:
+        _health_check(transport, files, health, on_event)
         pushed = push_to_device(transport, files, on_event)
         runtime = pushed.runtime
         remote_model = _remote_path(pushed, model)

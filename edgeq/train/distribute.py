@@ -6,10 +6,12 @@
 ``multi-worker``  MultiWorkerMirroredStrategy: one process per worker, cluster from
                   ``TF_CONFIG`` or ``--workers host:port,... --worker-index I``
 
-TF-MOT's quantizer ranges need no fix: its activation ranges are moving averages
-(``assign_moving_average``), which tf.distribute all-reduces (MEAN) before the update,
-and its weight ranges are computed from the mirrored weights, so every replica holds
-the same ranges (``tests/test_distribute.py`` compares them across workers).
+TF-MOT's activation ranges need a fix: each replica would update them from its own share
+of the global batch, so replicas end with other ranges than a 1-replica run (and the input
+range differs between replicas: TF-MOT #1068). ``edgeq.shims.tfmot`` makes every replica
+update them from the global batch's min/max; run.json says so. Weight ranges come from the
+mirrored weights and agree anyway. ``tests/test_distribute.py`` compares the ranges across
+replicas and workers.
 
 A strategy must be set up before TensorFlow's runtime starts (logical devices and
 collective ops cannot change after), so ``edgeq train --strategy`` sets
@@ -42,8 +44,14 @@ class Distribution:
             "strategy": self.name,
             "replicas": self.replicas,
             "workers": self.workers,
-            "cross_replica_ranges": "all-reduced (MEAN) by assign_moving_average" if self.replicas > 1 else None,
+            "cross_replica_ranges": _ranges_fix() if self.replicas > 1 else None,
         }
+
+
+def _ranges_fix() -> str:
+    from edgeq.shims.tfmot import DESCRIPTION
+
+    return DESCRIPTION
 
 
 def cluster_config(workers: str | None, worker_index: int | None) -> dict:

@@ -109,6 +109,7 @@ class TrainResult:
     resumed_from: tuple[int, int] | None = None  # (stage index, epochs done) when resumed
     float_layers: tuple[str, ...] = ()  # layers the QAT model leaves in float
     ranges: dict | None = None  # quantizer_ranges() of the QAT model
+    distribution: dict | None = None  # run.json's "distribution"
 
 
 def _output_is_probability(model) -> bool:
@@ -408,8 +409,14 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
     the chief writes into out_dir.
     """
     dist = distribute.setup(config.strategy, config.replicas, config.workers, config.worker_index)
-    with dist.strategy.scope():
-        return _train(config, dist, resume, force, progress and dist.chief)
+    from edgeq.shims.tfmot import global_batch_ranges
+
+    global_batch_ranges(dist.replicas > 1)  # what one replica would see, on every replica
+    try:
+        with dist.strategy.scope():
+            return _train(config, dist, resume, force, progress and dist.chief)
+    finally:
+        global_batch_ranges(False)
 
 
 def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool) -> TrainResult:
@@ -650,4 +657,5 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         resumed_from=(start_stage, start_epoch) if state is not None else None,
         float_layers=tuple(record["quantization"]["float_layers"]),
         ranges=ranges,
+        distribution=record["distribution"],
     )

@@ -21,6 +21,10 @@ from edgeq.errors import UsageError
 
 AUGMENTS = ("flip", "crop")
 SHUFFLE_BUFFER = 10_000  # samples; image paths are shuffled whole (they are small)
+PREFETCH_BATCHES = 2
+# tf.data's autotuner may grow its buffers towards half the machine's RAM over a long epoch
+# (peak RSS then grows with the data set); a fixed prefetch and this cap keep it flat.
+AUTOTUNE_RAM_BUDGET = 256 * 1024 * 1024
 
 
 def parse_augment(spec: str | None) -> tuple[str, ...]:
@@ -38,6 +42,7 @@ def _options() -> tf.data.Options:
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     options.deterministic = True
+    options.autotune.ram_budget = AUTOTUNE_RAM_BUDGET
     return options
 
 
@@ -119,4 +124,4 @@ def split_dataset(
             ds = ds.shuffle(min(len(y), SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
     if training and augment:
         ds = _augment(ds, augment, data.input_shape, seed)
-    return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE).with_options(_options())
+    return ds.batch(batch_size).prefetch(PREFETCH_BATCHES).with_options(_options())

@@ -8,6 +8,7 @@ test_fleet.py's real sshd stays the proof of the SSH path.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -103,3 +104,49 @@ def test_retries_back_off_exponentially_with_jitter():
         base = 0.5 * 2 ** (attempt - 1)
         assert all(0.5 * base <= d < 1.5 * base for d in delays)
         assert len({round(d, 6) for d in delays}) > 150  # spread, not one instant for every device
+
+
+def _fake_sysfs(root: Path, milli_c: int) -> Path:
+    zone = root / "class" / "thermal" / "thermal_zone0"
+    zone.mkdir(parents=True, exist_ok=True)
+    (zone / "temp").write_text(f"{milli_c}\n")
+    return root
+
+
+def test_health_check_skips_hot_devices_before_anything_is_uploaded(cli, tmp_path, monkeypatch):
+    """A 91 °C thermal zone (EDGEQ_SYSFS, as profile reads it): every device is skipped with the
+    reason and nothing reaches it; --max-temp 95 or --no-health-check lets the push through."""
+    names = ["hot0", "hot1", "hot2"]
+    inventory = _inventory(tmp_path, names, broken=())
+    monkeypatch.setenv("EDGEQ_SYSFS", str(_fake_sysfs(tmp_path / "sys", 91_000)))
+    skipped = cli("push", INT8, "--to", "all", "--inventory", inventory)
+    assert skipped.exit_code == 5, skipped.output
+    assert set(_rows(skipped.stdout).values()) == {"unhealthy"}
+    assert "skipped by the health check: 91.0 °C, over 80 °C" in skipped.stdout
+    assert not any((tmp_path / n / "models").exists() for n in names)  # not even bootstrapped
+    # an unhealthy device spends the failure budget like a failed one
+    stopped = cli("push", INT8, "--to", "all", "--inventory", inventory, "--batch", "1", "--max-fail", "0")
+    assert stopped.exit_code == 6 and list(_rows(stopped.stdout).values()) == ["unhealthy", "skipped", "skipped"]
+    assert cli("push", INT8, "--to", "hot0", "--inventory", inventory, "--max-temp", "95").exit_code == 0
+    assert cli("push", INT8, "--to", "hot1", "--inventory", inventory, "--no-health-check").exit_code == 0
+    assert (tmp_path / "hot0" / "models" / INT8.name).is_file() and not (tmp_path / "hot2" / "models").exists()
+
+
+def test_health_reads_disk_temperature_throttling_and_load(tmp_path, monkeypatch):
+    from edgeq.fleet.health import HealthLimits, read_health
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vcgencmd").write_text('#!/bin/sh\n[ "$1" = get_throttled ] && echo "throttled=0x50005"\n')
+    (bindir / "vcgencmd").chmod(0o755)  # the Raspberry Pi firmware tool, as a Pi 4 that throttles answers
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("EDGEQ_SYSFS", str(_fake_sysfs(tmp_path / "sys", 62_500)))
+    transport = LocalTransport(Device(name="pi", host="local", workdir=str(tmp_path / "not-yet" / "edgeq")))
+    health = read_health(transport, str(tmp_path / "not-yet" / "edgeq"))  # the nearest existing parent is measured
+    assert health.temperature_c == 62.5 and health.throttled == "0x50005"
+    assert health.free_mib is not None and health.free_mib > 0 and health.load_per_cpu is not None
+    problems = health.problems(HealthLimits())
+    assert problems == ["throttled now (vcgencmd get_throttled: 0x50005)"]
+    assert health.problems(HealthLimits(allow_throttled=True)) == []
+    assert "needs" in health.problems(HealthLimits(allow_throttled=True, min_free_mib=health.free_mib * 4))[0]
+    assert "per CPU" in health.problems(HealthLimits(allow_throttled=True, max_load_per_cpu=-1))[0]
