@@ -39,6 +39,7 @@ PROBE_SCRIPT = Path(__file__).with_name("_probe.py")
 BASE_REQUIREMENTS = ("numpy", "click", "ai-edge-litert")
 WHEEL_CACHE = Path(os.environ.get("EDGEQ_WHEEL_CACHE", "~/.cache/edgeq/wheels")).expanduser()
 _MARKER = ".edgeq-wheel.sha256"
+SCHEMA_MODULE = "edgeq_tflite_schema"  # edgeq.runtime.flatbuffer imports it when LiteRT's is absent
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,20 @@ def host_versions() -> dict[str, str | None]:
     litert = dist("ai-edge-litert")
     runtime = f"ai_edge_litert {litert}" if litert else None
     return {"edgeq": edgeq.__version__, "numpy": dist("numpy"), "runtime": runtime}
+
+
+def pinned(requirements) -> list[str]:
+    """``requirements`` at this host's versions where it has them (numpy==2.4.6, ...): a device
+    then runs what the host verified against."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in requirements:
+        try:
+            out.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            out.append(name)
+    return out
 
 
 def probe(transport: Transport, python: str | None = None, env: dict[str, str] | None = None) -> Probe:
@@ -289,7 +304,10 @@ def ensure_runtime(
         wheel_remote = next(r.remote_path for r in records if r.name == wheel.name)
         # First the dependencies (kept when they already fit), then this exact edgeq build
         # over whatever edgeq of the same version was there.
-        result = transport.run([*pip, wheel_remote], timeout=1800)
+        result = transport.run([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS)], timeout=1800)
+        if not result.ok:  # no wheel of the host's versions for this device: the newest that fits
+            log.warning("%s: the host's versions do not install (%s)", device.name, result.last_error_line())
+            result = transport.run([*pip, wheel_remote], timeout=1800)
         if result.ok:
             result = transport.run([*pip, "--force-reinstall", "--no-deps", wheel_remote], timeout=900)
         if not result.ok:
@@ -298,6 +316,9 @@ def ensure_runtime(
         info = probe(transport, python, env=runtime.env)
         pushed = [wheel]
         missing = info.missing
+        if info.runtime == "tflite_runtime":  # the runtime the device has; it ships no .tflite schema
+            missing = [*missing, "flatbuffers"]
+            push_files(transport, [_schema_for_tflite_runtime()], python=python, subdir="site")
         if missing:
             pushed += _dependency_wheels(info, missing, wheels_dir)
         records = push_files(transport, pushed, python=python, subdir="wheels")
@@ -309,6 +330,21 @@ def ensure_runtime(
     return dataclasses.replace(runtime, installed="installed")
 
 
+def _schema_for_tflite_runtime() -> Path:
+    """This host's .tflite flatbuffer schema (ai-edge-litert's generated Python, pure Python on
+    ``flatbuffers``) as the module a tflite-runtime device imports: tflite-runtime has none, and
+    edgeq reads and bounds-checks every model with it (edgeq.runtime.flatbuffer)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("ai_edge_litert.schema_py_generated")
+    if spec is None or spec.origin is None:
+        raise DeviceError("this host has no ai-edge-litert schema to give a tflite-runtime device: pip install edgeq")
+    target = Path(tempfile.gettempdir()) / "edgeq-schema" / f"{SCHEMA_MODULE}.py"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(spec.origin, target)
+    return target
+
+
 def _dependency_wheels(info: Probe, requirements, wheels_dir: str | Path | None) -> list[Path]:
     """Wheels for a device without internet: from --wheels DIR, else downloaded here."""
     if wheels_dir:
@@ -316,5 +352,11 @@ def _dependency_wheels(info: Probe, requirements, wheels_dir: str | Path | None)
         if not found:
             raise DeviceError(f"{wheels_dir}: no .whl files in it")
         return found
-    cache = WHEEL_CACHE / f"deps-{info.machine}-cp{info.python_tag.replace('.', '')}"
-    return download_wheels(info, list(requirements), cache)
+    tag = f"{info.machine}-cp{info.python_tag.replace('.', '')}"
+    pins = pinned(requirements)
+    key = hashlib.sha256(" ".join(sorted(pins)).encode()).hexdigest()[:10]
+    try:  # the host's versions, each set in its own cache folder so that only those are pushed
+        return download_wheels(info, pins, WHEEL_CACHE / f"deps-{tag}-{key}")
+    except DeviceError as exc:  # e.g. an older Python with no wheel of the host's numpy
+        log.warning("%s; taking the newest versions that fit (devices check shows the drift)", exc)
+        return download_wheels(info, list(requirements), WHEEL_CACHE / f"deps-{tag}")

@@ -59,8 +59,9 @@ class _SchemaMissing(ModelLoadError):
 
 @lru_cache(maxsize=1)
 def schema():
-    """The flatbuffer schema module of ai-edge-litert (or tflite-runtime's, if present)."""
-    for name in ("ai_edge_litert.schema_py_generated", "tflite_runtime.schema_py_generated"):
+    """The flatbuffer schema module of ai-edge-litert; on a tflite-runtime device (which ships
+    none), the copy of it that ``edgeq push`` puts beside edgeq (``edgeq_tflite_schema``)."""
+    for name in ("ai_edge_litert.schema_py_generated", "tflite_runtime.schema_py_generated", "edgeq_tflite_schema"):
         try:
             return importlib.import_module(name)
         except ImportError:

@@ -150,3 +150,56 @@ def test_health_reads_disk_temperature_throttling_and_load(tmp_path, monkeypatch
     assert health.problems(HealthLimits(allow_throttled=True)) == []
     assert "needs" in health.problems(HealthLimits(allow_throttled=True, min_free_mib=health.free_mib * 4))[0]
     assert "per CPU" in health.problems(HealthLimits(allow_throttled=True, max_load_per_cpu=-1))[0]
+
+
+@pytest.fixture(scope="module")
+def tflite_runtime_python(tmp_path_factory) -> str:
+    """A device Python as Coral boards and older Raspberry Pi OS images have it: numpy 1.x and
+    tflite-runtime 2.14, no ai-edge-litert (and no click: the bootstrap brings what is missing)."""
+    venv = tmp_path_factory.mktemp("tflite-runtime") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "numpy<2", "tflite-runtime==2.14.0"],
+        capture_output=True, text=True, timeout=1200, env=env,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr
+    return python
+
+
+def test_a_tflite_runtime_device_profiles_and_verifies_bit_exact(cli, tflite_runtime_python, digits_int8, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """push picks the runtime the device has (tflite_runtime: no LiteRT installed there, only its
+    .tflite schema and flatbuffers); profile runs on it; verify finds the built-in int8 kernels'
+    outputs bit-exact with this host's ai-edge-litert on the tiny models and the trained digits-cnn.
+    XNNPACK's int8 kernels (tflite-runtime 2.14's vs LiteRT 2.3's) differed here by up to 8 steps
+    with the same top-1: verify reports that difference and exits 4."""
+    monkeypatch.chdir(tmp_path)
+    inventory = tmp_path / "devices.toml"
+    device = f'host = "local"\npython = "{tflite_runtime_python}"\nworkdir = "{tmp_path}/dev"\n'
+    inventory.write_text(f"[devices.coral]\n{device}")
+    models = [INT8, INT8.with_name("tiny_uint8.tflite"), digits_int8.path]
+    pushed = cli("push", *models, DIGITS, "--to", "coral", "--inventory", inventory)
+    assert pushed.exit_code == 0, pushed.output
+    site = tmp_path / "dev" / "site"
+    assert (site / "click").is_dir() and not list(site.glob("ai_edge_litert*")) and not (site / "numpy").exists()
+
+    profiled = cli("profile", INT8, "--data", DIGITS, "--runs", "5", "--on", "coral", "--inventory", inventory)
+    assert profiled.exit_code == 0, profiled.output
+    report = json.loads((tmp_path / "results" / "coral" / "tiny_int8.profile.json").read_text())
+    environment = report["environment"]
+    assert environment["runtime"] == "tflite_runtime" and environment["numpy_version"].startswith("1.")
+    assert report["model"]["accuracy"]["accuracy"] > 0.9
+    for model in models:
+        for delegate in ("none", "xnnpack"):
+            checked = cli("verify", model, "--data", DIGITS, "--on", "coral", "--inventory", inventory,
+                          "--delegate", delegate, "--json", "v.json")  # fmt: skip
+            device = json.loads((tmp_path / "v.json").read_text())["devices"][0]
+            assert device["device_runtime"] == "tflite_runtime 2.14.0", device
+            if delegate == "none":  # the built-in int8 kernels: the same integers as LiteRT's
+                assert checked.exit_code == 0 and device["bit_exact"], checked.output
+            else:  # XNNPACK of 2023 vs 2026 may round otherwise: verify says by how much (exit 4), or nothing
+                assert checked.exit_code == (0 if device["bit_exact"] else 4), checked.output
+                assert device["bit_exact"] or ("max |diff|" in checked.stdout and device["max_abs_diff"] > 0)
+                assert device["top1_agreement"] >= 0.99
