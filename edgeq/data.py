@@ -351,6 +351,18 @@ class EncodedImages(_Splits):
         return out
 
     def x_chunks(self, split: str, size: int = 512) -> Iterator[np.ndarray]:
+        if self.kind == "tfrecord":  # one pass over the records, not one per chunk
+            wanted = set(self.indices(split).tolist())
+            chunk = []
+            for index, data in enumerate(read_tfrecord_images([], self.source, every=self.files)):
+                if index in wanted:
+                    chunk.append(self.decode(data, f"{self.source} record {index}"))
+                    if len(chunk) == size:
+                        yield np.stack(chunk)
+                        chunk = []
+            if chunk:
+                yield np.stack(chunk)
+            return
         n = self.count(split)
         for start in range(0, n, size):
             yield self.take(split, np.arange(start, min(n, start + size)))
@@ -502,9 +514,14 @@ def load_tfrecord(
     return data
 
 
-def read_tfrecord_images(refs: list, source: str = "") -> Iterator[bytes]:
-    """The encoded images of (file, record index) refs, in the order given, reading each file once."""
+def read_tfrecord_images(refs: list, source: str = "", every: list[str] | None = None) -> Iterator[bytes]:
+    """The encoded images of (file, record index) refs, in the order given, reading each file once;
+    with ``every``, all records of those files in order instead."""
     tf = _tf()
+    if every is not None:
+        for record in tf.data.TFRecordDataset(every):
+            yield _parse_tfrecord(tf, record)[TFRECORD_IMAGE].numpy()
+        return
     wanted: dict[str, dict[int, list[int]]] = {}
     for k, (file, index) in enumerate(refs):
         wanted.setdefault(file, {}).setdefault(int(index), []).append(k)

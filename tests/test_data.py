@@ -145,6 +145,10 @@ def test_tfrecord_source_reads_the_images_an_image_folder_holds(tmp_path):
     for split in ("train", "val", "test"):
         np.testing.assert_array_equal(records.split(split)[0], folder.split(split)[0])
         np.testing.assert_array_equal(records.split(split)[1], folder.split(split)[1])
+    from edgeq.data import Dataset
+
+    eager = Dataset(records.source, *(a for s in ("train", "val", "test") for a in records.split(s)), 3)
+    assert records.fingerprint() == eager.fingerprint()  # the hash streams the records once, in order
     with pytest.raises(DataError, match="no file matches"):
         load_dataset(f"tfrecord:{tmp_path}/none-*.tfrecord", input_shape=(8, 8, 3))
     (tmp_path / "bad.tfrecord").write_bytes(b"garbage that is no record")
