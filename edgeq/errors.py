@@ -61,6 +61,12 @@ class TrainingInterrupted(EdgeqError):
     exit_code = 130
 
 
+class TrainingDiverged(EdgeqError):
+    """The loss became NaN or infinite: the stage stopped, its last finite checkpoint kept."""
+
+    exit_code = 1
+
+
 class InventoryError(EdgeqError):
     """The device inventory is missing, malformed, or names no such device."""
 

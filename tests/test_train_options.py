@@ -503,3 +503,25 @@ def test_resume_restores_the_optimizer_state(tmp_path):
     assert any(np.any(b.numpy() != 0) for b in before[1:])  # the moments are not zeros that match trivially
     for a, b in zip(fresh.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_diverging_stage_stops_with_one_line_and_keeps_the_last_finite_checkpoint(cli, tmp_path):
+    """exp(exp(100 x)) overflows on the first batch: the loss is NaN, so the stage stops there
+    (not after its epochs), no checkpoint of NaN weights is written, and the error says what to try."""
+    from edgeq.compat import keras
+
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Flatten()(inputs)
+    h = keras.layers.Dense(10, activation="exponential", kernel_initializer=keras.initializers.Constant(100.0))(h)
+    model = keras.Model(inputs, keras.layers.Activation("exponential")(h))
+    model.save(tmp_path / "explodes.h5")
+    out = tmp_path / "run"
+    args = ("train", tmp_path / "explodes.h5", "--data", "digits", "--out", out, "--epochs", "3")
+    qat = cli(*args)
+    # the QAT dry run names the layer TF-MOT would have failed on with a bare ValueError
+    assert_one_line_error(qat, "'dense' (Dense with activation 'exponential', which TF-MOT's QAT does not take)")
+    result = cli(*args, "--qat-epochs", "0")
+    assert_one_line_error(result, "stage fp32 diverged", "epoch 1, batch 1", "a lower --lr")
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert (state["stage"], state["epochs_done"], state["checkpoint"]) == (0, 0, None)  # the stage's start
+    assert not (out / "fp32.keras").exists() and not (out / "run.json").exists()

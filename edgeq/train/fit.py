@@ -31,7 +31,7 @@ import numpy as np
 from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_atomic
 from edgeq.compat import keras, tf
 from edgeq.data import load_dataset
-from edgeq.errors import DataError, TrainingInterrupted, UsageError
+from edgeq.errors import DataError, TrainingDiverged, TrainingInterrupted, UsageError
 from edgeq.model_io import (
     FP32_NAME,
     QAT_FLOAT_NAME,
@@ -159,7 +159,7 @@ def quantizer_ranges(qat_model) -> dict:
         if weight.trainable or not (name.endswith("_min:0") or name.endswith("_max:0")):
             continue
         values = [np.asarray(v.numpy()) for v in getattr(weight, "values", (weight,))]
-        equal = equal and all(np.array_equal(values[0], v) for v in values[1:])
+        equal = equal and all(np.array_equal(values[0], v, equal_nan=True) for v in values[1:])
         digest.update(name.encode() + values[0].astype(np.float32).tobytes())
         count += 1
     return {"variables": count, "sha256": digest.hexdigest(), "equal_across_local_replicas": bool(equal)}
@@ -206,11 +206,20 @@ class _EpochRecorder(keras.callbacks.Callback):
         self.stage_index = stage_index
         self.bar = progress_bar
         self._start = 0.0
+        self.diverged: str | None = None  # where the loss stopped being finite
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()
 
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(float(loss)) and self.diverged is None:
+            self.diverged = f"epoch {len(self.run.history[self.stage_index]['epochs']) + 1}, batch {batch + 1}"
+            self.model.stop_training = True
+
     def on_epoch_end(self, epoch, logs=None):
+        if self.diverged is not None:  # no checkpoint of non-finite weights: the last one stays
+            return
         logs = {k: float(v) for k, v in (logs or {}).items()}
         record = {"epoch": epoch + 1, "seconds": round(time.perf_counter() - self._start, 3), **logs}
         self.run.history[self.stage_index]["epochs"].append(record)
@@ -557,14 +566,24 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                     dataset, "train", hp["batch_size"], training=True, seed=config.seed, augment=augment
                 )
                 val_data = pipeline.split_dataset(dataset, "val", hp["batch_size"]) if dataset.count("val") else None
+                recorder = _EpochRecorder(run, index, bar)
                 stage_model.fit(
                     train_data,
                     validation_data=val_data,
                     epochs=stage.epochs,
                     initial_epoch=initial_epoch,
                     verbose=0,
-                    callbacks=[_EpochRecorder(run, index, bar)],
+                    callbacks=[recorder],
                 )
+                if recorder.diverged is not None:
+                    kept = "fp32.keras is saved, and " if (out_dir / FP32_NAME).exists() else ""
+                    hint = "--init-ranges tfmot or " if stage.kind == "qat" and config.init_ranges != "tfmot" else ""
+                    lr = "--qat-lr" if stage.kind == "qat" else "--lr"
+                    clip = " or --clip-norm 1.0" if stage.kind == "qat" else ""
+                    raise TrainingDiverged(
+                        f"stage {stage.name} diverged: the loss became NaN or infinite in {recorder.diverged}; "
+                        f"{kept}checkpoint/ holds the last finite epoch. Try {hint}a lower {lr}{clip}"
+                    )
             val_acc = _accuracy(stage_model, dataset, "val")
             test_acc = _accuracy(stage_model, dataset, "test")
             result = StageResult(

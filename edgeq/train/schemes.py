@@ -240,6 +240,11 @@ def layers_to_quantize(model, settings: QuantSettings, only_layers: set[str] | N
     return chosen
 
 
+# The activations TF-MOT 0.8.1's QuantizeAwareActivation accepts inside a wrapped layer
+# (its _PRE_QUANT / _POST_QUANT sets); any other raises a ValueError naming no layer.
+_QAT_ACTIVATIONS = frozenset({"linear", "relu", "swish", "gelu", "softmax", "sigmoid", "tanh"})
+
+
 def _check_layers(model, settings: QuantSettings) -> None:
     """Layers no QAT can take, all named in one error: Python functions, custom classes, TF ops left."""
     keep_float = {name for name, p in settings.layers.items() if p.keep_float}
@@ -254,6 +259,10 @@ def _check_layers(model, settings: QuantSettings) -> None:
             problems.append(f"{layer.name!r} (TF op {getattr(layer, 'symbol', '?')})")
         elif not type(layer).__module__.startswith(("tf_keras.", "keras.", "tensorflow_model_optimization.")):
             problems.append(f"{layer.name!r} ({kind}: a custom layer)")
+        elif kind != "Activation" and callable(getattr(layer, "activation", None)):
+            name = getattr(layer.activation, "__name__", type(layer.activation).__name__)
+            if name not in _QAT_ACTIVATIONS:
+                problems.append(f"{layer.name!r} ({kind} with activation {name!r}, which TF-MOT's QAT does not take)")
     if problems:
         raise UnsupportedLayerError(
             f"model {model.name!r} cannot be QAT-trained: {'; '.join(problems)}: rebuild those with built-in "
