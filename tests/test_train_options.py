@@ -512,14 +512,16 @@ def test_a_diverging_stage_stops_with_one_line_and_keeps_the_last_finite_checkpo
 
     inputs = keras.Input((8, 8, 1))
     h = keras.layers.Flatten()(inputs)
-    h = keras.layers.Dense(10, activation="exponential", kernel_initializer=keras.initializers.Constant(100.0))(h)
+    h = keras.layers.Dense(
+        10, activation="exponential", kernel_initializer=keras.initializers.Constant(100.0), name="exp_dense"
+    )(h)
     model = keras.Model(inputs, keras.layers.Activation("exponential")(h))
     model.save(tmp_path / "explodes.h5")
     out = tmp_path / "run"
     args = ("train", tmp_path / "explodes.h5", "--data", "digits", "--out", out, "--epochs", "3")
     qat = cli(*args)
     # the QAT dry run names the layer TF-MOT would have failed on with a bare ValueError
-    assert_one_line_error(qat, "'dense' (Dense with activation 'exponential', which TF-MOT's QAT does not take)")
+    assert_one_line_error(qat, "'exp_dense' (Dense with activation 'exponential', which TF-MOT's QAT does not take)")
     result = cli(*args, "--qat-epochs", "0")
     assert_one_line_error(result, "stage fp32 diverged", "epoch 1, batch 1", "a lower --lr")
     state = json.loads((out / "checkpoint" / "state.json").read_text())
