@@ -177,6 +177,8 @@ def tflite_runtime_python(tmp_path_factory) -> str:
         [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "numpy<2", "tflite-runtime==2.14.0"],
         capture_output=True, text=True, timeout=1200, env=env,
     )  # fmt: skip
+    if install.returncode != 0 and "No matching distribution found for tflite-runtime" in install.stderr:
+        pytest.skip(f"tflite-runtime 2.14 has no wheel for Python {sys.version_info[0]}.{sys.version_info[1]} here")
     assert install.returncode == 0, install.stderr
     return python
 
