@@ -354,7 +354,7 @@ class EncodedImages(_Splits):
         if self.kind == "tfrecord":  # one pass over the records, not one per chunk
             wanted = set(self.indices(split).tolist())
             chunk = []
-            for index, data in enumerate(read_tfrecord_images([], self.source, every=self.files)):
+            for index, data in enumerate(iter_tfrecord_images(self.files)):
                 if index in wanted:
                     chunk.append(self.decode(data, f"{self.source} record {index}"))
                     if len(chunk) == size:
@@ -514,14 +514,16 @@ def load_tfrecord(
     return data
 
 
-def read_tfrecord_images(refs: list, source: str = "", every: list[str] | None = None) -> Iterator[bytes]:
-    """The encoded images of (file, record index) refs, in the order given, reading each file once;
-    with ``every``, all records of those files in order instead."""
+def iter_tfrecord_images(files: list[str]) -> Iterator[bytes]:
+    """Every record's encoded image, file after file, in order."""
     tf = _tf()
-    if every is not None:
-        for record in tf.data.TFRecordDataset(every):
-            yield _parse_tfrecord(tf, record)[TFRECORD_IMAGE].numpy()
-        return
+    for record in tf.data.TFRecordDataset(files):
+        yield _parse_tfrecord(tf, record)[TFRECORD_IMAGE].numpy()
+
+
+def read_tfrecord_images(refs: list, source: str = "") -> Iterator[bytes]:
+    """The encoded images of (file, record index) refs, in the order given, reading each file once."""
+    tf = _tf()
     wanted: dict[str, dict[int, list[int]]] = {}
     for k, (file, index) in enumerate(refs):
         wanted.setdefault(file, {}).setdefault(int(index), []).append(k)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from edgeq.commands.ui import table
+from edgeq.train.distribute import STRATEGIES  # light: no TensorFlow until a strategy is set up
 
 
 def _model_options(values: tuple[str, ...]) -> dict:
@@ -67,7 +68,7 @@ def _model_options(values: tuple[str, ...]) -> dict:
 @click.option("--augment", help="Image augmentation while training: flip, crop or flip,crop (seeded by --seed).")
 @click.option(
     "--strategy",
-    type=click.Choice(["default", "mirrored", "multi-worker"]),
+    type=click.Choice(STRATEGIES),
     default="default",
     show_default=True,
     help="tf.distribute: one device, every local GPU (mirrored), or one process per worker (multi-worker).",
