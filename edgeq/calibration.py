@@ -23,6 +23,7 @@ from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.shims.litert import ops_details
 from edgeq.shims.tflite import (
     disable_per_channel,
+    keras_converter,
     native_output_silenced,
     quantize_calibrated,
     tensor_ranges,
@@ -146,10 +147,10 @@ def calibrate(
         raise UsageError(f"data {dataset.source!r} has no samples to calibrate with")
     if ranges not in ACTIVATION_METHODS:
         raise UsageError(f"activation ranges must be one of {', '.join(ACTIVATION_METHODS)}, got {ranges!r}")
-    converter = tf.lite.TFLiteConverter.from_keras_model(keras_model)
+    converter = keras_converter(keras_model)
     with native_output_silenced():
         float_model = converter.convert()
-    converter = tf.lite.TFLiteConverter.from_keras_model(keras_model)
+    converter = keras_converter(keras_model)
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
     converter.representative_dataset = dataset.representative_dataset(samples)
     if per_tensor:

@@ -209,15 +209,9 @@ def _converter(
     static_batch: bool = False,
 ):
     from edgeq.compat import tf
-    from edgeq.shims.tflite import disable_per_channel
+    from edgeq.shims.tflite import disable_per_channel, keras_converter
 
-    if static_batch:
-        # The Edge TPU compiler wants every shape fixed, the batch dimension included.
-        spec_in = tf.TensorSpec([1, *model.input_shape[1:]], model.inputs[0].dtype)
-        function = tf.function(lambda x: model(x, training=False), input_signature=[spec_in])
-        converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()], model)
-    else:
-        converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    converter = keras_converter(model, static_batch)  # static: the Edge TPU compiler wants every shape fixed
     mode = spec.mode
     if mode == Mode.FP32:
         return converter
@@ -658,15 +652,14 @@ def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str])
 
 def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes: list[str]) -> bytes:
     """FP32 TFLite, then AI Edge Quantizer's INT4 recipe on it (weight-only or dynamic)."""
-    from edgeq.compat import tf
-    from edgeq.shims.tflite import native_output_silenced
+    from edgeq.shims.tflite import keras_converter, native_output_silenced
 
     try:
         from ai_edge_quantizer import qtyping, quantizer
     except ImportError as exc:
         raise UsageError(f'--{spec.mode.value} needs AI Edge Quantizer: pip install "edgeq[train]"') from exc
     with native_output_silenced():
-        float_model = tf.lite.TFLiteConverter.from_keras_model(keras_model).convert()
+        float_model = keras_converter(keras_model).convert()
     qt = quantizer.Quantizer(float_model)
     add = qt.add_weight_only_config if spec.mode == Mode.INT4_WEIGHTS else qt.add_dynamic_config
     add(

@@ -53,13 +53,12 @@ def _reference_predictions(reference: Path, x: np.ndarray) -> tuple[np.ndarray, 
 
         ref = TFLiteModel(reference)
         return ref.predict(x, batch_size=1), reference.stat().st_size
-    from edgeq.compat import tf
     from edgeq.model_io import load_user_model
 
     model = load_user_model(reference)
-    from edgeq.shims.tflite import native_output_silenced
+    from edgeq.shims.tflite import keras_converter, native_output_silenced
 
-    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    converter = keras_converter(model)
     with native_output_silenced():
         fp32_size = len(converter.convert())
     return model.predict(x, batch_size=256, verbose=0), fp32_size
