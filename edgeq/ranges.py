@@ -64,13 +64,15 @@ def _entropy_threshold(magnitudes: np.ndarray, bits: int, bins: int = 2048) -> f
     for i in range(levels, bins + 1, max(1, (bins - levels) // 128)):
         p = hist[:i].copy()
         p[-1] += hist[i:].sum()  # what is clipped lands in the last bin
-        # q: p merged into `levels` bins, spread back evenly over the non-empty source bins
-        chunks = np.array_split(np.arange(i), levels)
-        q = np.zeros(i)
-        for chunk in chunks:
-            nonzero = hist[chunk] > 0
-            if nonzero.any():
-                q[chunk[nonzero]] = hist[chunk].sum() / nonzero.sum()
+        # q: the first i bins merged into `levels` chunks (as np.array_split cuts them), each
+        # chunk's count spread back evenly over its non-empty bins
+        sizes = np.full(levels, i // levels)
+        sizes[: i % levels] += 1
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        nonzero = hist[:i] > 0
+        sums = np.add.reduceat(hist[:i], starts)
+        counts = np.add.reduceat(nonzero.astype(np.float64), starts)
+        q = np.where(nonzero, np.repeat(sums / np.maximum(counts, 1.0), sizes), 0.0)
         if p.sum() == 0 or q.sum() == 0:
             continue
         kl = _kl(p / p.sum(), q / q.sum())
