@@ -109,10 +109,11 @@ FLOAT_DTYPES = {"float32", "float16", "float64"}
 
 # --ptq: who chooses the ranges of integer post-training quantization. "converter" is the
 # TFLite converter's own min/max calibration; the others are edgeq's (edgeq.ptq), set into
-# fake-quant ops. "auto" tries these in order of cost and keeps the best on held-out data.
-# It stops at the first candidate whose SQNR reaches the target (the verification threshold
-# unless --ptq-target raises it), so a model the converter handles well costs one conversion.
-PTQ_AUTO = ("converter", "percentile", "mse", "entropy")
+# fake-quant ops. "auto" converts with the converter's ranges first and stops there when the
+# SQNR reaches the target (the verification threshold unless --ptq-target raises it), so a
+# model the converter handles well costs one conversion. Otherwise edgeq's methods are scored
+# in the fake-quant model, the best is converted, and the better of the two real ones is kept.
+PTQ_AUTO = ("converter", "minmax", "percentile", "mse", "entropy")
 PTQ_METHODS = ("auto", "converter", *ACTIVATION_METHODS)
 ROUNDING_METHODS = (*ROUNDINGS, "adaround")  # adaround: edgeq.transforms.adaround
 
@@ -541,6 +542,11 @@ def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOption
 def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, dataset, options: ConvertOptions):
     """Integer PTQ by each --ptq candidate; the best by SQNR against FP32 on held-out samples.
 
+    The converter's candidate is a real conversion, measured in LiteRT. edgeq's range methods
+    share one calibration pass and are each scored in the fake-quant model (TF-MOT's
+    simulation of the int8 graph), which costs an inference, not a conversion; only the best
+    of them is converted and measured in LiteRT. The result kept is the better of the two
+    real ones, so ``auto`` is never worse than the converter on the samples checked.
     Returns the flatbuffer and the manifest's record of every candidate (and a note).
     """
     from edgeq.model_io import as_tf_keras
@@ -555,53 +561,76 @@ def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, data
         methods = tuple(m for m in methods if m != "converter")
     x_check, split = dataset.verification_samples(200)
     reference = reference_model.predict(x_check, batch_size=64, verbose=0)
-    x_calibration = dataset.calibration_samples(options.calib_samples)
-    per_tensor = options.granularity == "per-tensor"
-    candidates, best, calibration = [], None, None
-    for method in methods:
+    candidates, best = [], None
+
+    def measured(flatbuffer):
+        got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict(x_check, batch_size=1)
+        return compare_outputs(reference, got)
+
+    def failed(method, exc, start):
+        if len(methods) == 1:
+            raise exc
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        candidates.append({"method": method, "error": first, "seconds": round(time.perf_counter() - start, 3)})
+
+    if "converter" in methods:
         start = time.perf_counter()
         try:
-            if method == "converter":
-                flatbuffer, _ = _convert_tflite(keras_model, spec, dataset, options, False)
-            else:
-                if calibration is None:
-                    calibration = RangeCalibration(
-                        as_tf_keras(keras_model), x_calibration, per_tensor, fold=rounding != "nearest"
-                    )
-                qat, _ = calibration.model(method, options.weight_ranges, rounding, options.seed)
-                flatbuffer, _ = _convert_tflite(qat, spec, dataset, options, True)
-            got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict(x_check, batch_size=1)
-            cmp = compare_outputs(reference, got)
+            flatbuffer, _ = _convert_tflite(keras_model, spec, dataset, options, False)
+            cmp = measured(flatbuffer)
         except (UsageError, DataError):
             raise
         except Exception as exc:  # one candidate failing must not hide the others
-            if len(methods) == 1:
-                raise
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            candidates.append({"method": method, "error": first, "seconds": round(time.perf_counter() - start, 3)})
-            continue
-        candidates.append(
-            {
-                "method": method,
-                "sqnr_db": round(cmp.sqnr_db, 3),
-                "agreement": round(cmp.agreement, 6),
-                "seconds": round(time.perf_counter() - start, 3),
-            }
-        )
-        if best is None or cmp.sqnr_db > best[1]:
-            best = (method, cmp.sqnr_db, flatbuffer)
-        if cmp.sqnr_db >= target:  # good enough: the costlier candidates are not tried
-            break
+            failed("converter", exc, start)
+        else:
+            candidates.append(_candidate("converter", cmp, start))
+            best = ("converter", cmp.sqnr_db, flatbuffer)
+    ours = [m for m in methods if m != "converter"]
+    stopped = best is not None and best[1] >= target  # good enough: edgeq's candidates are not tried
+    calibration = None
+    if ours and not stopped:
+        start = time.perf_counter()
+        try:
+            calibration = RangeCalibration(
+                as_tf_keras(keras_model),
+                dataset.calibration_samples(options.calib_samples),
+                options.granularity == "per-tensor",
+                fold=rounding != "nearest",
+            )
+            simulated = {}
+            for method in ours:
+                qat, _ = calibration.model(method, options.weight_ranges, rounding, options.seed)
+                if len(ours) > 1:
+                    simulated[method] = compare_outputs(reference, qat.predict(x_check, batch_size=64, verbose=0))
+            pick = max(ours, key=lambda m: simulated[m].sqnr_db) if simulated else ours[0]
+            qat, _ = calibration.model(pick, options.weight_ranges, rounding, options.seed)
+            flatbuffer, _ = _convert_tflite(qat, spec, dataset, options, True)
+            cmp = measured(flatbuffer)
+        except (UsageError, DataError):
+            raise
+        except Exception as exc:
+            failed(" | ".join(ours), exc, start)
+        else:
+            for method in ours:
+                entry = {"method": method}
+                if method in simulated:
+                    entry |= {
+                        "simulated_sqnr_db": round(simulated[method].sqnr_db, 3),
+                        "simulated_agreement": round(simulated[method].agreement, 6),
+                    }
+                if method == pick:
+                    entry |= _candidate(method, cmp, start)
+                candidates.append(entry)
+            if best is None or cmp.sqnr_db > best[1]:
+                best = (pick, cmp.sqnr_db, flatbuffer)
     if best is None:
         raise ConversionError(
             f"every --ptq candidate failed: {'; '.join(c['method'] + ': ' + c['error'] for c in candidates)}"
         )
-    tried = ", ".join(
-        f"{c['method']} {c['sqnr_db']:.1f} dB" if "sqnr_db" in c else f"{c['method']} failed" for c in candidates
-    )
+    tried = ", ".join(_described(c) for c in candidates)
     note = (
         f"--ptq {options.ptq}: {best[0]} ranges chosen by SQNR vs FP32 on {len(x_check)} {split} samples ({tried}"
-        f"{'; stopped at the target ' + format(target, '.1f') + ' dB' if len(candidates) < len(methods) else ''})"
+        f"{'; stopped at the target ' + format(target, '.1f') + ' dB' if stopped and ours else ''})"
     )
     rounding_record = {"method": "nearest", "seed": None, "layers": []}
     if rounding != "nearest" and calibration is not None:
@@ -623,6 +652,25 @@ def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, data
         "note": note,
     }
     return best[2], record
+
+
+def _candidate(method: str, cmp, start: float) -> dict:
+    """A candidate converted and measured in LiteRT (seconds: since its work began)."""
+    return {
+        "method": method,
+        "sqnr_db": round(cmp.sqnr_db, 3),
+        "agreement": round(cmp.agreement, 6),
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def _described(c: dict) -> str:
+    if "sqnr_db" in c:
+        text = f"{c['method']} {c['sqnr_db']:.1f} dB"
+        return text + (f" (simulated {c['simulated_sqnr_db']:.1f})" if "simulated_sqnr_db" in c else "")
+    if "simulated_sqnr_db" in c:
+        return f"{c['method']} simulated {c['simulated_sqnr_db']:.1f} dB"
+    return f"{c['method']} failed"
 
 
 def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str]):

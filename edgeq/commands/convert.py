@@ -59,7 +59,8 @@ def _mode_options(func):
     type=click.Choice(["auto", "converter", "minmax", "percentile", "mse", "entropy"]),
     default="auto",
     show_default=True,
-    help="Integer PTQ ranges: the converter's min/max, or edgeq's (auto: each, best SQNR on held-out data).",
+    help="Integer PTQ ranges: the converter's min/max, or edgeq's (auto: the converter's, then edgeq's "
+    "best by simulation, best SQNR on held-out data).",
 )
 @click.option(
     "--weight-ranges",
@@ -79,8 +80,8 @@ def _mode_options(func):
     "--ptq-target",
     type=float,
     metavar="DB",
-    help="--ptq auto stops at the first candidate with this SQNR (default: the verification threshold); "
-    "a high value tries every candidate and keeps the best.",
+    help="--ptq auto keeps the converter's ranges when they reach this SQNR (default: the verification "
+    "threshold); a high value always scores edgeq's methods too and keeps the best.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of stochastic rounding and AdaRound.")
 @click.option("--equalize", is_flag=True, help="Cross-layer equalization before PTQ (BN folded first).")
