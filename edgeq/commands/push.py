@@ -8,7 +8,7 @@ from edgeq.commands import ui
 
 
 @click.command("push")
-@click.argument("files", nargs=-1, required=True, metavar="MODEL...")
+@click.argument("files", nargs=-1, metavar="MODEL...")
 @click.option("--to", "targets", multiple=True, required=True, help="NAME, tag:X or all (repeat or comma-separate).")
 @ui.inventory_option
 @ui.host_key_option
@@ -23,19 +23,33 @@ from edgeq.commands import ui
     is_flag=True,
     help="Make the previous version of each named MODEL live again on the devices (push keeps one).",
 )
-def push(files, targets, inventory_path, accept_new_host_keys, rollout, health, wheel, wheels_dir, rollback) -> None:
+@click.option(
+    "--runtime",
+    "runtime_too",
+    is_flag=True,
+    help="With --rollback: make the previous edgeq runtime live again (push keeps the one it replaces).",
+)
+def push(
+    files, targets, inventory_path, accept_new_host_keys, rollout, health, wheel, wheels_dir, rollback, runtime_too
+) -> None:
     """Upload MODEL... (any files) to each device's work directory, checked by sha256.
 
     A file that replaces another keeps the replaced version on the device; --rollback swaps
-    them back. WORKDIR/models/.edgeq-live.json says which version of each file is live.
+    them back. WORKDIR/models/.edgeq-live.json says which version of each file is live, and
+    WORKDIR/.edgeq-runtime.json which edgeq runtime (--rollback --runtime swaps that back).
     """
+    from edgeq.errors import UsageError
     from edgeq.fleet.remote import for_each_device, push_to, rollback_on
 
+    if runtime_too and not rollback:
+        raise UsageError("--runtime goes with --rollback (a push installs this checkout's edgeq by itself)")
+    if not files and not runtime_too:
+        raise UsageError("give the MODEL files to push (or --rollback --runtime to restore the previous edgeq)")
     chosen = ui.select_devices(inventory_path, targets, accept_new_host_keys)
     if rollback:
         outcomes = for_each_device(
-            chosen, lambda device, on_event: rollback_on(device, files, on_event), rollout=rollout,
-            on_event=ui.progress_printer(),
+            chosen, lambda device, on_event: rollback_on(device, files, on_event, runtime=runtime_too),
+            rollout=rollout, on_event=ui.progress_printer(),
         )  # fmt: skip
         rows = [
             [o.device, o.status, ", ".join(r.name for r in o.result or []) or "-",

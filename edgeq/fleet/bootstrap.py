@@ -6,10 +6,12 @@ Two ways, chosen by the inventory:
   built from this checkout is pushed; the wheels it needs come from PyPI when the device
   is ``online``, else they are downloaded here for the device's platform and pushed too.
 * no ``venv``: nothing is installed with pip. The wheels are unpacked into
-  ``WORKDIR/site`` and edgeq runs as ``PYTHONPATH=WORKDIR/site python -m edgeq``. This is
-  for devices without pip or internet (and for the emulated Raspberry Pi 4 in the tests).
+  ``WORKDIR/versions/SHA`` and edgeq runs as ``PYTHONPATH=WORKDIR/site python -m edgeq``,
+  ``site`` being a symlink to the live version. This is for devices without pip or
+  internet (and for the emulated Raspberry Pi 4 in the tests).
 
 Both are skipped when the device already has this exact wheel (a marker holds its sha256).
+Both keep the runtime they replace, for ``edgeq push --rollback --runtime``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import edgeq
 from edgeq.artifacts import atomic_path
 from edgeq.errors import DeviceError
-from edgeq.fleet.push import device_python_c, push_files
+from edgeq.fleet.push import Rollback, _now, device_python_c, push_files, write_live
 from edgeq.fleet.transport import Transport, confine
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ PROBE_SCRIPT = Path(__file__).with_name("_probe.py")
 BASE_REQUIREMENTS = ("numpy", "click", "ai-edge-litert")
 WHEEL_CACHE = Path(os.environ.get("EDGEQ_WHEEL_CACHE", "~/.cache/edgeq/wheels")).expanduser()
 _MARKER = ".edgeq-wheel.sha256"
+RUNTIME_STATE = ".edgeq-runtime.json"  # WORKDIR/.edgeq-runtime.json: live and previous edgeq runtime
 SCHEMA_MODULE = "edgeq_tflite_schema"  # edgeq.runtime.flatbuffer imports it when LiteRT's is absent
 
 
@@ -260,30 +263,56 @@ def _write_marker(transport: Transport, path: str, value: str) -> None:
         raise DeviceError(f"{transport.device.name}: cannot write {path}: {result.last_error_line()}")
 
 
+def read_runtime_state(transport: Transport, workdir: str) -> dict:
+    """WORKDIR/.edgeq-runtime.json: the live edgeq runtime and the previous one ({} when none)."""
+    result = transport.run(["cat", "--", confine(workdir, RUNTIME_STATE)], timeout=60)
+    try:
+        data = json.loads(result.stdout) if result.ok else {}
+    except ValueError:
+        data = {}
+    return data if isinstance(data, dict) else {}
+
+
+def _version_record(digest: str, built: Path, **where: str) -> dict:
+    version = built.name.split("-")[1] if built.name.count("-") >= 2 else None
+    return {"sha256": digest, "edgeq": version, "wheel_name": built.name, "since": _now(), **where}
+
+
 def ensure_runtime(
     transport: Transport,
     *,
     wheel: str | Path | None = None,
     wheels_dir: str | Path | None = None,
 ) -> DeviceRuntime:
-    """Make sure the device runs this checkout's edgeq; install it once if it does not."""
+    """Make sure the device runs this checkout's edgeq; install it once if it does not.
+
+    The runtime a push replaces is kept (`edgeq push --rollback --runtime` makes it live
+    again), and WORKDIR/.edgeq-runtime.json says which is live. Site mode swaps versions
+    atomically: WORKDIR/site is a symlink to versions/SHA, renamed over in one step.
+    """
     device = transport.device
     workdir = transport.expand(device.workdir)
     wheel = Path(wheel) if wheel else build_wheel()
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     transport.makedirs(workdir)
+    state = read_runtime_state(transport, workdir)
+    live = state.get("live") or {}
     if device.venv:
         venv = transport.expand(device.venv)
         python = f"{venv.rstrip('/')}/bin/python"
         marker = f"{venv.rstrip('/')}/{_MARKER}"
         runtime = DeviceRuntime(python=python, env={}, mode="venv", workdir=workdir)
     else:
-        site = confine(workdir, "site")
         python = device.python
-        marker = f"{site}/{_MARKER}"
+        marker = confine(workdir, "site", _MARKER)  # through the link: the live version's marker
+        site = confine(workdir, "site")
         runtime = DeviceRuntime(python=python, env={"PYTHONPATH": site}, mode="site", workdir=workdir)
-    if _read_marker(transport, marker) == digest:
+    installed = _read_marker(transport, marker)
+    if installed == digest:
         return runtime
+    if installed and live.get("sha256") != installed:  # installed before runtime versions were recorded
+        live = {"sha256": installed, "edgeq": None, "since": None}
+        live |= {"dir": "versions/legacy"} if runtime.mode == "site" else {}
     log.info("%s: installing %s (%s mode)", device.name, wheel.name, runtime.mode)
     if runtime.mode == "venv":
         check = transport.run(["test", "-x", python], timeout=60)
@@ -295,13 +324,14 @@ def ensure_runtime(
                     "on Raspberry Pi OS: sudo apt-get install python3-venv (deploy/bootstrap-rpi.sh)"
                 )
         info = probe(transport, python)
-        pushed = [wheel]
         pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        # each edgeq build in its own folder, so the previous one's wheel is there for a rollback
+        records = push_files(transport, [wheel], python=python, subdir=f"wheels/{digest[:16]}")
         if not device.online:
-            pushed += _dependency_wheels(info, BASE_REQUIREMENTS, wheels_dir)
+            dependencies = _dependency_wheels(info, BASE_REQUIREMENTS, wheels_dir)
+            push_files(transport, dependencies, python=python, subdir="wheels")
             pip += ["--no-index", "--find-links", confine(workdir, "wheels")]
-        records = push_files(transport, pushed, python=python, subdir="wheels")
-        wheel_remote = next(r.remote_path for r in records if r.name == wheel.name)
+        wheel_remote = records[0].remote_path
         # First the dependencies (kept when they already fit), then this exact edgeq build
         # over whatever edgeq of the same version was there.
         result = transport.run([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS)], timeout=1800)
@@ -312,22 +342,77 @@ def ensure_runtime(
             result = transport.run([*pip, "--force-reinstall", "--no-deps", wheel_remote], timeout=900)
         if not result.ok:
             raise DeviceError(f"{device.name}: pip install of {wheel.name} failed: {result.last_error_line()}")
+        _write_marker(transport, marker, digest)
+        new = _version_record(digest, wheel, wheel=wheel_remote)
     else:
-        info = probe(transport, python, env=runtime.env)
+        version_dir = f"versions/{digest[:16]}"
+        target = confine(workdir, version_dir)
+        transport.run(["rm", "-rf", "--", target], timeout=300)  # a half-unpacked earlier try
+        # what the device's Python has without any edgeq site: each version holds all it needs
+        info = probe(transport, python, env={"PYTHONPATH": target})
         pushed = [wheel]
         missing = info.missing
         if info.runtime == "tflite_runtime":  # the runtime the device has; it ships no .tflite schema
             missing = [*missing, "flatbuffers"]
-            push_files(transport, [_schema_for_tflite_runtime()], python=python, subdir="site")
+            push_files(transport, [_schema_for_tflite_runtime()], python=python, subdir=version_dir)
         if missing:
             pushed += _dependency_wheels(info, missing, wheels_dir)
         records = push_files(transport, pushed, python=python, subdir="wheels")
-        site = runtime.env["PYTHONPATH"]
-        result = device_python_c(transport, python, ["extract", site, *[r.remote_path for r in records]], timeout=900)
+        result = device_python_c(transport, python, ["extract", target, *[r.remote_path for r in records]], timeout=900)
         if not result.ok:
-            raise DeviceError(f"{device.name}: cannot unpack the wheels into {site}: {result.last_error_line()}")
-    _write_marker(transport, marker, digest)
+            raise DeviceError(f"{device.name}: cannot unpack the wheels into {target}: {result.last_error_line()}")
+        _write_marker(transport, confine(target, _MARKER), digest)
+        _switch_site(transport, python, workdir, version_dir)
+        new = _version_record(digest, wheel, dir=version_dir)
+    _write_runtime_state(transport, workdir, {"live": new, "previous": live or None})
+    if runtime.mode == "site":
+        _prune_versions(transport, workdir, [new.get("dir"), live.get("dir")])
     return dataclasses.replace(runtime, installed="installed")
+
+
+def rollback_runtime(transport: Transport) -> Rollback:
+    """`push --rollback --runtime`: the edgeq runtime a push replaced becomes live again."""
+    device = transport.device
+    workdir = transport.expand(device.workdir)
+    state = read_runtime_state(transport, workdir)
+    live, previous = state.get("live") or {}, state.get("previous") or {}
+    if not previous.get("sha256"):
+        raise DeviceError(
+            f"{device.name}: no previous edgeq runtime to roll back to (push keeps one when it installs another)"
+        )
+    if device.venv:
+        python = f"{transport.expand(device.venv).rstrip('/')}/bin/python"
+        if not previous.get("wheel"):
+            raise DeviceError(f"{device.name}: the previous runtime's wheel is not recorded; push it again instead")
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        result = transport.run([*pip, "--force-reinstall", "--no-deps", previous["wheel"]], timeout=900)
+        if not result.ok:
+            raise DeviceError(f"{device.name}: cannot reinstall {previous['wheel']}: {result.last_error_line()}")
+        _write_marker(transport, f"{transport.expand(device.venv).rstrip('/')}/{_MARKER}", previous["sha256"])
+    else:
+        _switch_site(transport, device.python, workdir, previous["dir"])
+    _write_runtime_state(transport, workdir, {"live": {**previous, "since": _now()}, "previous": live or None})
+    return Rollback("edgeq runtime", previous.get("sha256"), live.get("sha256"))
+
+
+def _switch_site(transport: Transport, python: str, workdir: str, version_dir: str) -> None:
+    confine(workdir, version_dir)  # refuses a recorded path that would leave the work directory
+    result = device_python_c(transport, python, ["switch", confine(workdir, "site"), version_dir], timeout=120)
+    if not result.ok:
+        raise DeviceError(f"{transport.device.name}: cannot make {version_dir} live: {result.last_error_line()}")
+
+
+def _write_runtime_state(transport: Transport, workdir: str, state: dict) -> None:
+    write_live(transport, workdir, state, name=RUNTIME_STATE)
+
+
+def _prune_versions(transport: Transport, workdir: str, keep: list[str | None]) -> None:
+    """Only the live and the previous runtime stay on the device."""
+    folder = confine(workdir, "versions")
+    kept = {Path(k).name for k in keep if k}
+    for name in transport.listdir(folder):
+        if name not in kept:
+            transport.run(["rm", "-rf", "--", confine(folder, name)], timeout=300)
 
 
 def _schema_for_tflite_runtime() -> Path:

@@ -48,6 +48,30 @@ def extract_wheels(target: str, wheels: list[str]) -> None:
             zf.extractall(target)
 
 
+def switch_link(link: str, target: str) -> None:
+    """Point the symlink ``link`` at ``target`` (relative to its folder) in one rename.
+
+    A new link is made under a temporary name and renamed over the old one, so a process
+    starting at any moment finds either the old runtime or the new one, never none. A
+    ``link`` that is still a real folder (an install from before runtime versions) is moved
+    aside to ``versions/legacy`` first, where a rollback can find it.
+    """
+    folder = os.path.dirname(os.path.abspath(link))
+    if os.path.isdir(link) and not os.path.islink(link):
+        legacy = os.path.join(folder, "versions", "legacy")
+        os.makedirs(os.path.dirname(legacy), exist_ok=True)
+        if os.path.lexists(legacy):
+            raise SystemExit(f"error: {legacy} is in the way of moving the old {link} aside")
+        os.replace(link, legacy)
+    if not os.path.isdir(os.path.join(folder, target)):
+        raise SystemExit(f"error: {os.path.join(folder, target)} is not a folder")
+    tmp = f"{link}.switch-{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
 def run_raw(model: str, inputs: str, out: str, runtime: str | None, delegate: str | None) -> None:
     import numpy as np
 
@@ -77,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("extract")
     p.add_argument("target")
     p.add_argument("wheels", nargs="+")
+    p = sub.add_parser("switch")
+    p.add_argument("link")
+    p.add_argument("target")
     p = sub.add_parser("raw")
     p.add_argument("model")
     p.add_argument("inputs")
@@ -88,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(sha256_files(args.paths)))
     elif args.command == "extract":
         extract_wheels(args.target, args.wheels)
+    elif args.command == "switch":
+        switch_link(args.link, args.target)
     else:
         try:
             run_raw(args.model, args.inputs, args.out, args.runtime, args.delegate)

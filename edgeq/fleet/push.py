@@ -173,14 +173,14 @@ def read_live(transport: Transport, folder: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def write_live(transport: Transport, folder: str, live: dict) -> None:
-    """Write .edgeq-live.json on the device atomically (temporary name, then rename)."""
+def write_live(transport: Transport, folder: str, live: dict, name: str = LIVE) -> None:
+    """Write .edgeq-live.json (or ``name``) on the device atomically (temporary name, then rename)."""
     with tempfile.TemporaryDirectory(prefix="edgeq-live-") as tmp:
-        local = Path(tmp) / LIVE
+        local = Path(tmp) / name
         local.write_text(json.dumps(live, indent=2, sort_keys=True), encoding="utf-8")
-        part = confine(folder, f"{LIVE}{PART_MARK}{uuid.uuid4().hex[:12]}")
+        part = confine(folder, f"{name}{PART_MARK}{uuid.uuid4().hex[:12]}")
         transport.upload(local, part)
-        transport.rename(part, confine(folder, LIVE))
+        transport.rename(part, confine(folder, name))
 
 
 @dataclass(frozen=True)

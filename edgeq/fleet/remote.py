@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from edgeq.errors import DeviceError, EdgeqError, FleetInterrupted
-from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe
+from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe, rollback_runtime
 from edgeq.fleet.health import DeviceUnhealthy, HealthLimits, check_health
 from edgeq.fleet.inventory import Device
 from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files
@@ -226,12 +226,19 @@ def push_to(
         return push_to_device(transport, files, on_event, **kwargs)
 
 
-def rollback_on(device: Device, names: Sequence[str], on_event: Event = _noop) -> list[Rollback]:
-    """`push --rollback`: the previous version of each named file becomes live again."""
+def rollback_on(device: Device, names: Sequence[str], on_event: Event = _noop, runtime: bool = False) -> list[Rollback]:
+    """`push --rollback`: the previous version of each named file (and with ``runtime``, of
+    the edgeq runtime) becomes live again."""
     on_event(device.name, "connecting")
     with connect(device) as transport:
-        on_event(device.name, f"rolling back {len(names)} file(s)")
-        return rollback_files(transport, [Path(n).name for n in names])
+        done = []
+        if runtime:
+            on_event(device.name, "rolling back the edgeq runtime")
+            done.append(rollback_runtime(transport))
+        if names:
+            on_event(device.name, f"rolling back {len(names)} file(s)")
+            done += rollback_files(transport, [Path(n).name for n in names])
+        return done
 
 
 def _remote_path(pushed: PushSummary, local: str | Path) -> str:

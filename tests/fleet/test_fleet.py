@@ -559,3 +559,35 @@ def test_version_drift_is_named_against_the_host():
         f"numpy 1.26.4 (host {host['numpy']})",
         f"runtime tflite_runtime 2.14.0 (host {host['runtime']})",
     ]
+
+
+def test_runtime_rollback_in_a_virtualenv_over_ssh(cli, fleet, tmp_path, monkeypatch):
+    """x86-venv: a push of another edgeq build keeps the wheel it replaces; --rollback --runtime
+    reinstalls that one and records it as live (and x86-venv ends on this checkout's build)."""
+    import hashlib
+
+    from edgeq.fleet.bootstrap import build_wheel
+
+    from .test_local_fleet import another_build
+
+    monkeypatch.chdir(tmp_path)
+    first = build_wheel()
+    second = another_build(first, tmp_path / "second")
+    assert _run(cli, fleet, "push", INT8, "--to", "x86-venv").exit_code == 0  # this checkout's build
+    pushed = _run(cli, fleet, "push", INT8, "--to", "x86-venv", "--wheel", second)
+    assert pushed.exit_code == 0 and "venv, installed" in pushed.stdout, pushed.output
+
+    def state():
+        record = json.loads((fleet.x86_workdir / ".edgeq-runtime.json").read_text())
+        return record["live"]["sha256"], record["previous"]["sha256"]
+
+    def another_build_installed() -> bool:
+        return any(fleet.x86_venv.glob("lib/python*/site-packages/edgeq/_another_build.txt"))
+
+    digest = {w: hashlib.sha256(w.read_bytes()).hexdigest() for w in (first, second)}
+    assert state() == (digest[second], digest[first]) and another_build_installed()
+    rolled = _run(cli, fleet, "push", "--rollback", "--runtime", "--to", "x86-venv")
+    assert rolled.exit_code == 0, rolled.output
+    assert state() == (digest[first], digest[second]) and not another_build_installed()
+    again = _run(cli, fleet, "push", INT8, "--to", "x86-venv")  # the checkout's build is live: nothing to install
+    assert again.exit_code == 0 and "venv, unchanged" in again.stdout, again.output

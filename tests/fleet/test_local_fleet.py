@@ -218,3 +218,96 @@ def test_a_tflite_runtime_device_profiles_and_verifies_bit_exact(cli, tflite_run
                 assert checked.exit_code == (0 if device["bit_exact"] else 4), checked.output
                 assert device["bit_exact"] or ("max |diff|" in checked.stdout and device["max_abs_diff"] > 0)
                 assert device["top1_agreement"] >= 0.99
+
+
+def another_build(wheel: Path, folder: Path) -> Path:
+    """The same edgeq wheel with one file more (edgeq/_another_build.txt): another build, another sha256."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / wheel.name
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w") as dst:
+        for item in src.infolist():
+            dst.writestr(item, src.read(item.filename))
+        dst.writestr("edgeq/_another_build.txt", "another build\n")
+    return out
+
+
+def test_runtime_rollback_swaps_the_site_back_atomically(cli, tmp_path, monkeypatch):
+    """A push of another edgeq keeps the one it replaces; --rollback --runtime makes it live
+    again (WORKDIR/site is a symlink renamed over in one step), and back again."""
+    import hashlib
+
+    from edgeq.fleet.bootstrap import build_wheel
+
+    monkeypatch.chdir(tmp_path)
+    first = build_wheel()
+    second = another_build(first, tmp_path / "second")
+    digest = {w: hashlib.sha256(w.read_bytes()).hexdigest() for w in (first, second)}
+    work = tmp_path / "dev"
+    inventory = tmp_path / "devices.toml"
+    inventory.write_text(f'[devices.dev]\nhost = "local"\npython = "{sys.executable}"\nworkdir = "{work}"\n')
+    site = work / "site"
+
+    def live():
+        state = json.loads((work / ".edgeq-runtime.json").read_text())
+        return state["live"]["sha256"], (state.get("previous") or {}).get("sha256")
+
+    def device_sees_another_build() -> bool:
+        code = "import importlib.resources as r; print(r.files('edgeq').joinpath('_another_build.txt').is_file())"
+        env = {**os.environ, "PYTHONPATH": str(site)}
+        out = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, check=True)
+        return out.stdout.strip() == "True"
+
+    nothing = cli("push", "--rollback", "--runtime", "--to", "dev", "--inventory", inventory)
+    assert nothing.exit_code != 0 and "no previous edgeq runtime" in nothing.output
+    for wheel in (first, second):
+        pushed = cli("push", INT8, "--to", "dev", "--inventory", inventory, "--wheel", wheel)
+        assert pushed.exit_code == 0, pushed.output
+    assert live() == (digest[second], digest[first])
+    assert site.is_symlink() and os.readlink(site) == f"versions/{digest[second][:16]}"
+    assert device_sees_another_build()
+
+    rolled = cli("push", "--rollback", "--runtime", "--to", "dev", "--inventory", inventory)
+    assert rolled.exit_code == 0, rolled.output
+    assert live() == (digest[first], digest[second]) and not device_sees_another_build()
+    assert os.readlink(site) == f"versions/{digest[first][:16]}"
+    again = cli("push", "--rollback", "--runtime", "--to", "dev", "--inventory", inventory)
+    assert again.exit_code == 0 and live() == (digest[second], digest[first]) and device_sees_another_build()
+    # only the live and the previous runtime stay on the device
+    assert sorted(p.name for p in (work / "versions").iterdir()) == sorted(d[:16] for d in digest.values())
+    # a push of the live build changes nothing
+    same = cli("push", INT8, "--to", "dev", "--inventory", inventory, "--wheel", second)
+    assert same.exit_code == 0 and "site, unchanged" in same.stdout and live() == (digest[second], digest[first])
+    runtime_alone = cli("push", "--runtime", "--to", "dev", "--inventory", inventory)
+    assert runtime_alone.exit_code == 2 and "--rollback" in runtime_alone.output
+
+
+def test_a_site_installed_before_runtime_versions_is_kept_for_rollback(cli, tmp_path, monkeypatch):
+    """A device bootstrapped by an older edgeq has a real WORKDIR/site folder and no
+    .edgeq-runtime.json: the next push of another build moves it aside as the previous runtime."""
+    import shutil
+
+    from edgeq.fleet.bootstrap import build_wheel
+
+    monkeypatch.chdir(tmp_path)
+    first = build_wheel()
+    work = tmp_path / "dev"
+    inventory = tmp_path / "devices.toml"
+    inventory.write_text(f'[devices.dev]\nhost = "local"\npython = "{sys.executable}"\nworkdir = "{work}"\n')
+    assert cli("push", INT8, "--to", "dev", "--inventory", inventory, "--wheel", first).exit_code == 0
+    # turn it into what an older edgeq left: site a real folder, no runtime record
+    real = (work / "site").resolve()
+    (work / "site").unlink()
+    shutil.move(real, work / "site")
+    shutil.rmtree(work / "versions")
+    (work / ".edgeq-runtime.json").unlink()
+
+    second = another_build(first, tmp_path / "second")
+    assert cli("push", INT8, "--to", "dev", "--inventory", inventory, "--wheel", second).exit_code == 0
+    state = json.loads((work / ".edgeq-runtime.json").read_text())
+    assert state["previous"]["dir"] == "versions/legacy" and (work / "versions" / "legacy" / "edgeq").is_dir()
+    rolled = cli("push", "--rollback", "--runtime", "--to", "dev", "--inventory", inventory)
+    assert rolled.exit_code == 0, rolled.output
+    assert os.readlink(work / "site") == "versions/legacy"
+    assert not (work / "site" / "edgeq" / "_another_build.txt").exists()
