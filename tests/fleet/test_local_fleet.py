@@ -20,7 +20,7 @@ from edgeq.errors import DeviceError
 from edgeq.fleet.inventory import Device
 from edgeq.fleet.transport import LocalTransport, backoff_delay, connect
 
-from .conftest import DIGITS, INT8
+from .conftest import DIGITS, INT8, PI4_PYTHON
 
 DEVICES = 16
 BROKEN = ("dev00", "dev01", "dev02")  # a Python that does not exist: they fail, the rest go on
@@ -311,3 +311,25 @@ def test_a_site_installed_before_runtime_versions_is_kept_for_rollback(cli, tmp_
     assert rolled.exit_code == 0, rolled.output
     assert os.readlink(work / "site") == "versions/legacy"
     assert not (work / "site" / "edgeq" / "_another_build.txt").exists()
+
+
+def test_an_emulated_pi5_profiles_and_verifies_bit_exact(cli, tmp_path, monkeypatch):
+    """A Raspberry Pi 5 core (Cortex-A76) under qemu-user: the emulated Pi 4's aarch64 userland
+    with QEMU_CPU=cortex-a76. The offline bootstrap, profile and a bit-exact verify run on it."""
+    if not PI4_PYTHON.is_file():
+        pytest.skip(f"no emulated Pi userland at {PI4_PYTHON.parent.parent} (deploy/make-emulated-pi4.sh)")
+    text = PI4_PYTHON.read_text()
+    assert "QEMU_CPU=cortex-a72" in text, text
+    pi5 = tmp_path / "pi5-python"
+    pi5.write_text(text.replace("QEMU_CPU=cortex-a72", "QEMU_CPU=cortex-a76").replace("Pi 4", "Pi 5"))
+    pi5.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    inventory = tmp_path / "devices.toml"
+    inventory.write_text(f'[devices.pi5]\nhost = "local"\npython = "{pi5}"\nworkdir = "{tmp_path}/pi5"\n')
+    profiled = cli("profile", INT8, "--data", DIGITS, "--runs", "5", "--on", "pi5", "--inventory", inventory)
+    assert profiled.exit_code == 0, profiled.output
+    report = json.loads((tmp_path / "results" / "pi5" / "tiny_int8.profile.json").read_text())
+    assert report["environment"]["machine"] == "aarch64" and report["model"]["accuracy"]["accuracy"] > 0.9
+    checked = cli("verify", INT8, "--data", DIGITS, "--on", "pi5", "--inventory", inventory, "--json", "v.json")
+    assert checked.exit_code == 0, checked.output
+    assert json.loads((tmp_path / "v.json").read_text())["devices"][0]["bit_exact"]
