@@ -366,7 +366,10 @@ def ensure_runtime(
         new = _version_record(digest, wheel, dir=version_dir)
     _write_runtime_state(transport, workdir, {"live": new, "previous": live or None})
     if runtime.mode == "site":
-        _prune_versions(transport, workdir, [new.get("dir"), live.get("dir")])
+        _prune_versions(transport, confine(workdir, "versions"), [new.get("dir"), live.get("dir")])
+    else:  # the wheels of older builds (WORKDIR/wheels/SHA/); the dependency wheels beside them stay
+        builds = [Path(w).parent.name for w in (new.get("wheel"), live.get("wheel")) if w]
+        _prune_versions(transport, confine(workdir, "wheels"), builds, only=_is_build_folder)
     return dataclasses.replace(runtime, installed="installed")
 
 
@@ -406,12 +409,15 @@ def _write_runtime_state(transport: Transport, workdir: str, state: dict) -> Non
     write_live(transport, workdir, state, name=RUNTIME_STATE)
 
 
-def _prune_versions(transport: Transport, workdir: str, keep: list[str | None]) -> None:
+def _is_build_folder(name: str) -> bool:
+    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
+
+
+def _prune_versions(transport: Transport, folder: str, keep: list[str | None], only=lambda name: True) -> None:
     """Only the live and the previous runtime stay on the device."""
-    folder = confine(workdir, "versions")
     kept = {Path(k).name for k in keep if k}
     for name in transport.listdir(folder):
-        if name not in kept:
+        if name not in kept and only(name):
             transport.run(["rm", "-rf", "--", confine(folder, name)], timeout=300)
 
 

@@ -591,3 +591,5 @@ def test_runtime_rollback_in_a_virtualenv_over_ssh(cli, fleet, tmp_path, monkeyp
     assert state() == (digest[first], digest[second]) and not another_build_installed()
     again = _run(cli, fleet, "push", INT8, "--to", "x86-venv")  # the checkout's build is live: nothing to install
     assert again.exit_code == 0 and "venv, unchanged" in again.stdout, again.output
+    kept = {p.name for p in (fleet.x86_workdir / "wheels").iterdir() if p.is_dir() and len(p.name) == 16}
+    assert kept == {digest[first][:16], digest[second][:16]}  # each build's wheel, for the next rollback
