@@ -32,7 +32,7 @@ from pathlib import Path
 import edgeq
 from edgeq.artifacts import atomic_path
 from edgeq.errors import DeviceError
-from edgeq.fleet.push import Rollback, _now, device_python_c, push_files, write_live
+from edgeq.fleet.push import Rollback, _now, device_python_c, push_files, read_live, write_live
 from edgeq.fleet.transport import Transport, confine
 
 log = logging.getLogger(__name__)
@@ -265,12 +265,7 @@ def _write_marker(transport: Transport, path: str, value: str) -> None:
 
 def read_runtime_state(transport: Transport, workdir: str) -> dict:
     """WORKDIR/.edgeq-runtime.json: the live edgeq runtime and the previous one ({} when none)."""
-    result = transport.run(["cat", "--", confine(workdir, RUNTIME_STATE)], timeout=60)
-    try:
-        data = json.loads(result.stdout) if result.ok else {}
-    except ValueError:
-        data = {}
-    return data if isinstance(data, dict) else {}
+    return read_live(transport, workdir, name=RUNTIME_STATE)
 
 
 def _version_record(digest: str, built: Path, **where: str) -> dict:

@@ -163,9 +163,9 @@ def keep_previous(transport: Transport, folder: str, target: str) -> None:
         raise DeviceError(f"{transport.device.name}: cannot keep the previous {target}: {result.last_error_line()}")
 
 
-def read_live(transport: Transport, folder: str) -> dict:
-    """The device's record of which version of each file is live ({} when there is none)."""
-    result = transport.run(["cat", "--", confine(folder, LIVE)], timeout=60)
+def read_live(transport: Transport, folder: str, name: str = LIVE) -> dict:
+    """The device's record of which version of each file (or ``name``'s subject) is live ({} when none)."""
+    result = transport.run(["cat", "--", confine(folder, name)], timeout=60)
     try:
         data = json.loads(result.stdout) if result.ok else {}
     except ValueError:
