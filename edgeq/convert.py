@@ -603,7 +603,8 @@ def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, data
                 if len(ours) > 1:
                     simulated[method] = compare_outputs(reference, qat.predict(x_check, batch_size=64, verbose=0))
             pick = max(ours, key=lambda m: simulated[m].sqnr_db) if simulated else ours[0]
-            qat, _ = calibration.model(pick, options.weight_ranges, rounding, options.seed)
+            if pick != ours[-1]:  # the fake-quant variables hold the last method's ranges
+                qat, _ = calibration.model(pick, options.weight_ranges, rounding, options.seed)
             flatbuffer, _ = _convert_tflite(qat, spec, dataset, options, True)
             cmp = measured(flatbuffer)
         except (UsageError, DataError):

@@ -38,7 +38,8 @@ def _epoch_seconds(model, x, y, repeats: int = 2) -> float:
     return statistics.median(times)
 
 
-def _bare_int8_only_seconds(model, x) -> float:
+def bare_int8_only_seconds(model, x, samples: int = 32) -> float:
+    """One bare TFLiteConverter int8-only conversion (``samples`` representative samples), timed."""
     from edgeq.compat import tf
     from edgeq.shims.tflite import native_output_silenced
 
@@ -47,7 +48,7 @@ def _bare_int8_only_seconds(model, x) -> float:
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
     converter.inference_input_type = tf.int8
     converter.inference_output_type = tf.int8
-    converter.representative_dataset = lambda: ([x[i : i + 1]] for i in range(32))
+    converter.representative_dataset = lambda: ([x[i : i + 1]] for i in range(samples))
     start = time.perf_counter()
     with native_output_silenced():
         converter.convert()
@@ -65,7 +66,7 @@ def run() -> str:
     x, y = _data()
     k3 = keras.applications.EfficientNetB0(weights=None, input_shape=(SIZE, SIZE, 3), classes=10)
     translation = translate(k3)
-    convert_s = _bare_int8_only_seconds(translation.model, x)
+    convert_s = bare_int8_only_seconds(translation.model, x)
     lines = [
         "## Keras 3 models and TF-MOT's missing layers",
         "",

@@ -183,22 +183,12 @@ def adaround_at_224() -> dict:
 
 def bare_conversion_seconds(path, data) -> float:
     """One bare TFLiteConverter int8-only conversion (64 representative samples), no verification."""
-    from edgeq.compat import tf
+    from bench_keras import bare_int8_only_seconds
+
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
-    from edgeq.shims.tflite import native_output_silenced
 
-    model = load_keras_model(path)
-    x = load_dataset(data).calibration_samples(64)
-    converter = tf.lite.TFLiteConverter.from_keras_model(model)
-    converter.optimizations = [tf.lite.Optimize.DEFAULT]
-    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    converter.inference_input_type = converter.inference_output_type = tf.int8
-    converter.representative_dataset = lambda: ([x[i : i + 1]] for i in range(len(x)))
-    start = time.perf_counter()
-    with native_output_silenced():
-        converter.convert()
-    return time.perf_counter() - start
+    return bare_int8_only_seconds(load_keras_model(path), load_dataset(data).calibration_samples(64), samples=64)
 
 
 def measure() -> list[dict]:
