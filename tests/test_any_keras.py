@@ -27,7 +27,8 @@ class Scale(tf_keras.layers.Layer):
 
 
 def keras3_digits_cnn(path):
-    """A Keras 3 digits CNN, as `pip install tensorflow` users build it."""
+    """A Keras 3 digits CNN, as `pip install tensorflow` users build it (seeded initial weights)."""
+    keras.utils.set_random_seed(0)
     L = keras.layers
     inputs = keras.Input((8, 8, 1))
     x = L.Conv2D(16, 3, padding="same", use_bias=False)(inputs)
@@ -243,4 +244,41 @@ def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, ar
         TrainConfig(model=str(path), data=data, out_dir=str(tmp_path / "run"), epochs=0, qat_epochs=1, batch_size=16)
     )
     result = convert(run.qat_model, tmp_path / f"{arch}_int8.tflite", ConvertOptions(mode="int8-only", calib=data))
+    assert result.verification.integer_only and result.verification.passed, result.verification
+
+
+def test_input_preprocessing_ranges_come_from_the_data_so_qat_does_not_collapse(tmp_path):
+    """EfficientNet's stem, in Keras 3: inputs in [0, 1] through Rescaling(1/255) span 0.004.
+
+    From TF-MOT's [-6, 6] start their fake-quant outputs zeros: the network sees a constant,
+    and training-mode batch norms blow the gradients up to NaN (Keras 3 EfficientNetB0
+    diverged in its second QAT batch). edgeq sets those ranges from data.
+    """
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.model_io import load_keras_model
+    from edgeq.train.fit import TrainConfig, train
+    from edgeq.train.observe import suffix
+
+    L = keras.layers
+    inputs = keras.Input((16, 16, 3))
+    x = L.Rescaling(1.0 / 255.0, name="rescale")(inputs)
+    x = L.Normalization(mean=[0.485, 0.456, 0.406], variance=[0.052, 0.050, 0.051], name="normalize")(x)
+    for filters in (8, 16):
+        x = L.Conv2D(filters, 3, strides=2, padding="same", use_bias=False)(x)
+        x = L.BatchNormalization()(x)
+        x = L.Activation("swish")(x)
+    x = L.GlobalAveragePooling2D()(x)
+    path = tmp_path / "stem.keras"
+    keras.Model(inputs, L.Dense(10, activation="softmax")(x)).save(path)
+
+    data = "synthetic:16x16x3:10:96"
+    run = train(
+        TrainConfig(model=str(path), data=data, out_dir=str(tmp_path / "run"), epochs=0, qat_epochs=1, batch_size=16)
+    )
+    record = json.loads(run.run.read_text())
+    assert record["quantization"]["initial_activation_ranges"] == {"method": "tfmot", "set_per_stage": {"qat-w8a8": 2}}
+    qat = load_keras_model(run.qat_model)
+    rescale = {suffix(v): float(v.numpy()) for v in qat.get_layer("quant_rescale").weights}
+    assert -1e-4 <= rescale["output_min"] <= 0.0 and 0.9 / 255 < rescale["output_max"] < 1.1 / 255, rescale
+    result = convert(run.qat_model, tmp_path / "stem_int8.tflite", ConvertOptions(mode="int8-only", calib=data))
     assert result.verification.integer_only and result.verification.passed, result.verification

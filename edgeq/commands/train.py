@@ -59,7 +59,10 @@ def _model_options(values: tuple[str, ...]) -> dict:
     type=click.Choice(["tfmot", "mse", "percentile", "entropy", "minmax"]),
     default="tfmot",
     show_default=True,
-    help="Start QAT's activation ranges at TF-MOT's [-6, 6] or from calibration data by this method.",
+    help=(
+        "Start QAT's activation ranges at TF-MOT's [-6, 6] (the input's Rescaling/Normalization still from "
+        "data) or from calibration data by this method."
+    ),
 )
 @click.option(
     "-o", "--model-option", "model_options", multiple=True, help="Reference-model option KEY=VALUE (e.g. alpha=0.5)."

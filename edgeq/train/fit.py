@@ -44,7 +44,7 @@ from edgeq.model_io import (
 )
 from edgeq.train import distribute, pipeline, schemes
 from edgeq.train.layer_config import LayerConfig, LayerPrecision
-from edgeq.train.observe import initialize_ranges
+from edgeq.train.observe import initialize_ranges, input_preprocessing
 from edgeq.train.schedule import Stage, make_schedule
 from edgeq.transforms.fold import fold_batchnorm
 from edgeq.transforms.tfops import replace_tf_ops
@@ -546,15 +546,21 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                 only = set(quantizable[:n]) if stage.layer_fraction < 1.0 else None
                 stage_settings = replace(settings, weight_bits=stage.weight_bits, activation_bits=stage.activation_bits)
                 stage_model = schemes.build_qat_model(float_model, stage_settings, only_layers=only)
-                if initial_epoch == 0 and config.init_ranges != "tfmot":
-                    initialized[stage.name] = initialize_ranges(
+                # With TF-MOT's start, the input's preprocessing (Rescaling, Normalization) still
+                # gets its exact range from data: [-6, 6] can quantize it to all zeros.
+                only = input_preprocessing(float_model) if config.init_ranges == "tfmot" else None
+                if initial_epoch == 0 and (only is None or only):
+                    set_here = initialize_ranges(
                         stage_model,
                         float_model,
                         dataset.calibration_samples(min(256, dataset.count("train"))),
-                        config.init_ranges,
+                        "minmax" if only else config.init_ranges,
                         stage.activation_bits,
                         symmetric=config.activations == "symmetric",
+                        only=only,
                     )
+                    if set_here:
+                        initialized[stage.name] = set_here
                 if dist.replicas > 1:
                     synchronize_batchnorm(stage_model)
                 _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value)

@@ -107,16 +107,48 @@ def observe(float_model, points, x: np.ndarray, batch_size: int = 16, seed: int 
     return observers
 
 
+# Preprocessing layers: a fixed affine map of the input, with no weights that train.
+_PREPROCESSING = ("Rescaling", "Normalization")
+
+
+def input_preprocessing(float_model) -> set[str]:
+    """Names of the Rescaling/Normalization layers fed only by the input or by each other.
+
+    Their outputs are the input under a fixed affine map: EfficientNet's ``x / 255`` on an
+    input already in [0, 1] spans 0.004, far below one step of TF-MOT's [-6, 6] start, so
+    their fake-quants would output zeros everywhere, and training-mode batch norms
+    amplify the zero-variance batches' gradients to infinity.
+    """
+    chain: set[str] = set()
+    inputs = {id(t) for t in float_model.inputs}
+    for layer in float_model.layers:
+        if type(layer).__name__ not in _PREPROCESSING:
+            continue
+        feeds = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
+        sources = [t._keras_history.layer.name if id(t) not in inputs else None for t in feeds]
+        if all(name is None or name in chain for name in sources):
+            chain.add(layer.name)
+    return chain
+
+
 def initialize_ranges(
-    qat_model, float_model, x: np.ndarray, method: str = "mse", bits: int = 8, symmetric: bool = False
+    qat_model,
+    float_model,
+    x: np.ndarray,
+    method: str = "mse",
+    bits: int = 8,
+    symmetric: bool = False,
+    only: set[str] | None = None,
 ) -> int:
     """Set every activation fake-quant range of a freshly built ``qat_model`` from ``x``.
 
     Returns how many ranges were set. Symmetric activations get [-m, m]. ``method`` is one
-    of edgeq.ranges.ACTIVATION_METHODS.
+    of edgeq.ranges.ACTIVATION_METHODS. ``only`` limits it to the outputs of those layers.
     """
     float_model, _ = replace_tf_ops(float_model)
     points = activation_points(float_model, qat_model)
+    if only is not None:
+        points = [point for point in points if point[3] in only]
     if not points:
         return 0
     done = 0
