@@ -236,8 +236,34 @@ def _platform_tags(info: Probe) -> list[str]:
     return tags
 
 
+_COMPLETE = ".complete"  # in a wheel cache folder: the wheels one pip download left there
+
+
 def download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Path]:
-    """Wheels of ``requirements`` for the device's platform and Python, fetched here."""
+    """Wheels of ``requirements`` for the device's platform and Python, fetched here once.
+
+    A folder a download completed is reused without running pip again (one pip per
+    platform and version set, not one per device of a fleet); devices in parallel threads
+    wait for the one that downloads.
+    """
+    with _BUILD_LOCK:
+        lock = _DOWNLOAD_LOCKS.setdefault(str(dest), threading.Lock())
+    with lock:
+        done = dest / _COMPLETE
+        if done.is_file():
+            found = [dest / name for name in done.read_text(encoding="utf-8").split()]
+            if found and all(p.is_file() for p in found):
+                return found
+        wheels = _download_wheels(info, requirements, dest)
+        with atomic_path(done) as part:
+            part.write_text("\n".join(p.name for p in wheels) + "\n", encoding="utf-8")
+        return wheels
+
+
+_DOWNLOAD_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "-d", str(dest)]
     args += ["--python-version", info.python_tag, "--implementation", "cp"]
@@ -311,7 +337,8 @@ def ensure_runtime(
     log.info("%s: installing %s (%s mode)", device.name, wheel.name, runtime.mode)
     if runtime.mode == "venv":
         check = transport.run(["test", "-x", python], timeout=60)
-        if not check.ok:
+        fresh = not check.ok
+        if fresh:
             made = transport.run([device.python, "-m", "venv", transport.expand(device.venv)], timeout=600)
             if not made.ok:
                 raise DeviceError(
@@ -319,13 +346,14 @@ def ensure_runtime(
                     "on Raspberry Pi OS: sudo apt-get install python3-venv (deploy/bootstrap-rpi.sh)"
                 )
         info = probe(transport, python)
-        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        # no byte-compiling at install: a module is compiled when it is first imported, and
+        # most of numpy's and protobuf's modules never are on a device
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
         # each edgeq build in its own folder, so the previous one's wheel is there for a rollback
         records = push_files(transport, [wheel], python=python, subdir=f"wheels/{digest[:16]}")
         if not device.online:
             dependencies = _dependency_wheels(info, BASE_REQUIREMENTS, wheels_dir)
-            push_files(transport, dependencies, python=python, subdir="wheels")
-            pip += ["--no-index", "--find-links", confine(workdir, "wheels")]
+            pip += ["--no-index", "--find-links", _push_dependencies(transport, dependencies, python, workdir)]
         wheel_remote = records[0].remote_path
         # First the dependencies (kept when they already fit), then this exact edgeq build
         # over whatever edgeq of the same version was there.
@@ -333,7 +361,7 @@ def ensure_runtime(
         if not result.ok:  # no wheel of the host's versions for this device: the newest that fits
             log.warning("%s: the host's versions do not install (%s)", device.name, result.last_error_line())
             result = transport.run([*pip, wheel_remote], timeout=1800)
-        if result.ok:
+        if result.ok and not fresh:  # a new virtualenv had no edgeq that the first install kept
             result = transport.run([*pip, "--force-reinstall", "--no-deps", wheel_remote], timeout=900)
         if not result.ok:
             raise DeviceError(f"{device.name}: pip install of {wheel.name} failed: {result.last_error_line()}")
@@ -345,15 +373,17 @@ def ensure_runtime(
         transport.run(["rm", "-rf", "--", target], timeout=300)  # a half-unpacked earlier try
         # what the device's Python has without any edgeq site: each version holds all it needs
         info = probe(transport, python, env={"PYTHONPATH": target})
-        pushed = [wheel]
         missing = info.missing
         if info.runtime == "tflite_runtime":  # the runtime the device has; it ships no .tflite schema
             missing = [*missing, "flatbuffers"]
             push_files(transport, [_schema_for_tflite_runtime()], python=python, subdir=version_dir)
+        records = push_files(transport, [wheel], python=python, subdir="wheels")
+        wheels = [r.remote_path for r in records]
         if missing:
-            pushed += _dependency_wheels(info, missing, wheels_dir)
-        records = push_files(transport, pushed, python=python, subdir="wheels")
-        result = device_python_c(transport, python, ["extract", target, *[r.remote_path for r in records]], timeout=900)
+            dependencies = _dependency_wheels(info, missing, wheels_dir)
+            house = _push_dependencies(transport, dependencies, python, workdir)
+            wheels += [f"{house}/{w.name}" for w in dependencies]
+        result = device_python_c(transport, python, ["extract", target, *wheels], timeout=900)
         if not result.ok:
             raise DeviceError(f"{device.name}: cannot unpack the wheels into {target}: {result.last_error_line()}")
         _write_marker(transport, confine(target, _MARKER), digest)
@@ -391,6 +421,29 @@ def rollback_runtime(transport: Transport) -> Rollback:
         _switch_site(transport, device.python, workdir, previous["dir"])
     _write_runtime_state(transport, workdir, {"live": {**previous, "since": _now()}, "previous": live or None})
     return Rollback("edgeq runtime", previous.get("sha256"), live.get("sha256"))
+
+
+_WHEELHOUSE_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _push_dependencies(transport: Transport, wheels: list[Path], python: str, workdir: str) -> str:
+    """Push the dependency wheels; return the device folder they are in.
+
+    Into the inventory's ``wheelhouse`` when it names one: devices naming the same folder
+    take turns, so a wheel the first one uploaded is found there (sha256) by the others.
+    """
+    device = transport.device
+    if not device.wheelhouse:
+        push_files(transport, wheels, python=python, subdir="wheels")
+        return confine(workdir, "wheels")
+    house = transport.expand(device.wheelhouse).rstrip("/")
+    with _BUILD_LOCK:
+        lock = _WHEELHOUSE_LOCKS.setdefault(house, threading.Lock())
+    with lock:
+        records = push_files(transport, wheels, python=python, folder=house)
+    sent = [r.name for r in records if r.status == "uploaded"]
+    log.info("%s: wheelhouse %s: %d uploaded, %d there", device.name, house, len(sent), len(records) - len(sent))
+    return house
 
 
 def _switch_site(transport: Transport, python: str, workdir: str, version_dir: str) -> None:

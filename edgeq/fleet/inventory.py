@@ -55,6 +55,7 @@ FIELDS = {
     "known_hosts",
     "host_key_policy",
     "online",
+    "wheelhouse",
     "connect_timeout",
 }
 
@@ -77,6 +78,9 @@ class Device:
     known_hosts: str | None = None  # extra known_hosts file (the user's is always read)
     host_key_policy: str = "strict"  # or "accept-new": record an unknown key, refuse a changed one
     online: bool = False  # may pip reach PyPI from the device? (default: push the wheels)
+    # where the dependency wheels go on the device (default WORKDIR/wheels): devices that name
+    # the same folder (an NFS share, or accounts of one machine) get them uploaded once
+    wheelhouse: str | None = None
     connect_timeout: float = 15.0
 
     @property
@@ -303,6 +307,14 @@ def _device(name: str, values: dict[str, Any], path: Path) -> Device:
         raise InventoryError(f"{where}: workdir {workdir!r} must be absolute or start with ~/")
     if ".." in workdir.split("/") or workdir.rstrip("/") in ("", "~", "/"):
         raise InventoryError(f"{where}: workdir {workdir!r}: give a folder of its own, e.g. ~/edgeq")
+    wheelhouse = kwargs.get("wheelhouse")
+    if wheelhouse is not None:
+        wheelhouse = str(wheelhouse)
+        if not (wheelhouse.startswith("/") or wheelhouse.startswith("~/")) or ".." in wheelhouse.split("/"):
+            raise InventoryError(f"{where}: wheelhouse {wheelhouse!r} must be an absolute folder or start with ~/")
+        if wheelhouse.rstrip("/") in ("", "~", "/"):
+            raise InventoryError(f"{where}: wheelhouse {wheelhouse!r}: give a folder of its own, e.g. ~/edgeq-wheels")
+        kwargs["wheelhouse"] = wheelhouse
     for key in ("identity_file", "known_hosts"):
         if kwargs.get(key):
             kwargs[key] = str(Path(str(kwargs[key])).expanduser())

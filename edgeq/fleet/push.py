@@ -77,10 +77,15 @@ def push_files(
     subdir: str = "models",
     attempts: int = 3,
     backoff_s: float = 0.5,
+    folder: str | None = None,
 ) -> list[FileTransfer]:
-    """Upload ``files`` to ``WORKDIR/subdir/NAME`` on the device; return one record per file."""
-    workdir = transport.expand(transport.device.workdir)
-    folder = confine(workdir, subdir)
+    """Upload ``files`` to ``WORKDIR/subdir/NAME`` on the device; return one record per file.
+
+    ``folder`` (an expanded absolute path, the inventory's ``wheelhouse``) replaces
+    ``WORKDIR/subdir``; no live record is kept there (what is live is not a wheel's business).
+    """
+    record_live = folder is None
+    folder = folder or confine(transport.expand(transport.device.workdir), subdir)
     local = [Path(f) for f in files]
     for path in local:
         if not path.is_file():
@@ -139,14 +144,20 @@ def push_files(
         retry(upload_once, attempts=attempts, backoff_s=backoff_s, what=f"upload {path.name}", on_retry=reconnect)
         log.info("%s: %s uploaded (%d bytes)", transport.device.name, path.name, size)
         records.append(FileTransfer(path.name, target, digest, size, "uploaded", time.monotonic() - start, tries["n"]))
+    if not record_live:
+        return records
     live = read_live(transport, folder)
+    changed = False
     for record in records:
         if record.status == "uploaded":
             old = there.get(record.remote_path)
             live[record.name] = {"sha256": record.sha256, "previous_sha256": old, "since": _now()}
-        else:
-            live.setdefault(record.name, {"sha256": record.sha256, "previous_sha256": None, "since": _now()})
-    write_live(transport, folder, live)
+            changed = True
+        elif (live.get(record.name) or {}).get("sha256") != record.sha256:
+            live[record.name] = {"sha256": record.sha256, "previous_sha256": None, "since": _now()}
+            changed = True
+    if changed:  # a push of unchanged files writes nothing on the device
+        write_live(transport, folder, live)
     return records
 
 

@@ -1,7 +1,8 @@
 """A real fleet for the tests: sshd on 127.0.0.1 and two devices behind it.
 
 * ``x86-venv``: this machine's Python; ``edgeq push`` bootstraps a virtualenv with the base
-  install there (online: pip gets numpy / click / ai-edge-litert from the index or its cache).
+  install there, offline: the sshd gives every session an index URL that leads nowhere, and
+  pip installs the host's numpy / click / ai-edge-litert from wheels pushed to its wheelhouse.
 * ``pi4-emu``: an emulated Raspberry Pi 4, aarch64 Debian python3.11 under qemu-user
   (deploy/make-emulated-pi4.sh). Its "python" is the host-side wrapper script, because an
   aarch64 process cannot exec another aarch64 binary without binfmt. No pip there: the push
@@ -122,6 +123,11 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+# What every session of a test sshd sees: pip has no route to a package index (a device
+# offline), so a bootstrap that needs one fails at once instead of passing by luck.
+NO_INDEX = "SetEnv PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_RETRIES=0 PIP_TIMEOUT=2"
+
+
 def start_sshd(folder: Path, client_pub: str, port: int | None = None) -> SSHServer:
     folder.mkdir(parents=True, exist_ok=True)
     host_pub = keygen(folder / "host_ed25519")
@@ -146,6 +152,7 @@ def start_sshd(folder: Path, client_pub: str, port: int | None = None) -> SSHSer
                 "MaxSessions 64",
                 "LogLevel ERROR",
                 f"Subsystem sftp {SFTP_SERVER}",
+                NO_INDEX,
                 "",
             ]
         )
@@ -215,7 +222,8 @@ def fleet(fleet_env, tmp_path_factory) -> Fleet:
         "x86-venv",
         server.port,
         x86_work,
-        f'python = "{host_python()}"\nvenv = "{f.x86_venv}"\nonline = true\ntags = ["x86", "ci"]',
+        f'python = "{host_python()}"\nvenv = "{f.x86_venv}"\nwheelhouse = "{root / "wheelhouse"}"\n'
+        'tags = ["x86", "ci"]',
     )
     text += "\n" + f.device_toml("pi4-emu", server.port, pi4_work, f'python = "{PI4_PYTHON}"\ntags = ["pi4", "ci"]')
     f.inventory.write_text(text)

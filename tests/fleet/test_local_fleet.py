@@ -333,3 +333,53 @@ def test_an_emulated_pi5_profiles_and_verifies_bit_exact(cli, tmp_path, monkeypa
     checked = cli("verify", INT8, "--data", DIGITS, "--on", "pi5", "--inventory", inventory, "--json", "v.json")
     assert checked.exit_code == 0, checked.output
     assert json.loads((tmp_path / "v.json").read_text())["devices"][0]["bit_exact"]
+
+
+def test_devices_sharing_a_wheelhouse_get_the_wheels_uploaded_once_and_run_the_hosts_versions(cli, tmp_path):
+    """Two devices whose Python sees no numpy/click/LiteRT (``-S``) name one wheelhouse: the
+    first push uploads the dependency wheels there, the second finds them (sha256) and uploads
+    none; both unpack them, and `devices check` finds the host's edgeq, numpy and LiteRT."""
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    bare.chmod(0o755)
+    house = tmp_path / "shared wheels"
+    inventory = tmp_path / "devices.toml"
+    inventory.write_text(
+        "".join(
+            f'[devices.{name}]\nhost = "local"\npython = "{bare}"\nworkdir = "{tmp_path / name}"\n'
+            f'wheelhouse = "{house}"\n\n'
+            for name in ("first", "second")
+        )
+    )
+    before = cli("devices", "check", "all", "--inventory", inventory)
+    assert before.exit_code == 0, before.output
+    assert "DRIFT" in before.stdout and "numpy none" in before.stdout  # nothing there yet
+
+    first = cli("push", INT8, "--to", "first", "--inventory", inventory)
+    assert first.exit_code == 0, first.output
+    shared = {p.name: p.stat().st_mtime_ns for p in house.glob("*.whl")}
+    assert any(n.startswith("numpy-") for n in shared) and any(n.startswith("ai_edge_litert-") for n in shared)
+    second = cli("push", INT8, "--to", "second", "--inventory", inventory)
+    assert second.exit_code == 0, second.output
+    assert {p.name: p.stat().st_mtime_ns for p in house.glob("*.whl")} == shared  # nothing uploaded again
+    for name in ("first", "second"):
+        assert "site, installed" in (first if name == "first" else second).stdout
+        assert (tmp_path / name / "site" / "numpy").is_dir()
+        own = [p.name for p in (tmp_path / name / "wheels").glob("*.whl")]
+        assert len(own) == 1 and own[0].startswith("edgeq-"), own  # its edgeq build; the rest in the house
+
+    after = cli("devices", "check", "all", "--inventory", inventory)
+    assert after.exit_code == 0, after.output
+    rows = [line for line in after.stdout.splitlines()[1:] if line.split()]
+    assert len(rows) == 2 and all(row.rstrip().endswith("same") for row in rows), after.stdout
+
+
+def test_a_wheelhouse_must_be_a_folder_of_its_own(tmp_path):
+    from edgeq.errors import InventoryError
+    from edgeq.fleet.inventory import load_inventory
+
+    for bad in ("wheels", "/", "~", "/srv/../etc"):
+        path = tmp_path / "devices.toml"
+        path.write_text(f'[devices.d]\nhost = "local"\nwheelhouse = "{bad}"\n')
+        with pytest.raises(InventoryError, match="wheelhouse"):
+            load_inventory(path)
