@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
 MARK = "<!-- section: {} -->"
-SECTIONS = ("host", "keras", "ptq", "precision", "analyze", "distribute", "fuzz", "report", "device")
+SECTIONS = ("host", "keras", "ptq", "fleet", "precision", "analyze", "distribute", "fuzz", "report", "device")
 
 
 def _cpu() -> str:
@@ -53,7 +53,9 @@ def main() -> None:
     sections = _sections(out.read_text()) if out.exists() else {}
     for name in SECTIONS:  # each section is tools/bench_<name>.py's run()
         if args.only in (None, name):
-            sections[name] = importlib.import_module(f"bench_{name}").run()
+            text = importlib.import_module(f"bench_{name}").run()
+            if text is not None:  # None: it could not measure here, the last numbers stay
+                sections[name] = text
     header = (
         "# Benchmarks\n\n"
         "Written by `python tools/bench.py` (`make bench`); numbers are from the last run on the machine "

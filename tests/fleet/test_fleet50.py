@@ -148,6 +148,9 @@ def test_fifty_devices_push_profile_budget_and_dead_devices(fifty, tmp_path):
     assert len(rows) == N and all(r[1] == "ok" for r in rows.values()), out[-3000:]
     modes = [" ".join(r[4:6]) for r in rows.values()]
     assert modes.count("venv, installed") == N // 2 and modes.count("site, installed") == N // 2, modes
+    for mode in ("venv", "site"):  # one device's push, bootstrap included, at --parallel 8
+        seconds = [float(r[6]) for r in rows.values() if r[4] == f"{mode},"]
+        numbers[f"{mode}_device_push_mean_s"] = sum(seconds) / len(seconds)
     code, profile_s, profile_rss, out = _edgeq(
         "profile", INT8, "--data", DIGITS, "--runs", "20", "--on", "all", *common, cwd=work, log=root / "2.log"
     )

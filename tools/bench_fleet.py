@@ -1,0 +1,74 @@
+"""The fleet at 50 devices over SSH: tests/fleet/test_fleet50.py's numbers (EDGEQ_SLOW=1).
+
+The test builds the fleet (50 sshd on the loopback, 25 venv and 25 site devices, one
+wheelhouse, no package index), checks its behaviour and prints one FLEET50 line of
+numbers; this runs it and writes them as the BENCHMARKS.md section. Needs root and
+sshd (deploy/test-env.sh), as the fleet tests do; without them it keeps the section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure() -> dict | None:
+    env = {**os.environ, "EDGEQ_SLOW": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/fleet/test_fleet50.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FLEET50 ")]
+    if proc.returncode != 0 or not lines:
+        print(f"fleet: the test did not pass, section kept:\n{proc.stdout[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def section(n: dict) -> str:
+    met = {True: "met", False: "not met"}
+    rss = max(n["push_peak_rss_mib"], n["profile_peak_rss_mib"])
+    rows = [
+        ("`push` from a cold start (25 venvs created, 25 sites unpacked, the dependency wheels uploaded once)",
+         n["cold_push_s"], n["push_host_cpu_s"], f"{n['push_peak_rss_mib']:.0f} MiB"),
+        ("`profile --on all` (20 runs each, accuracy on the test data)",
+         n["profile_s"], n["profile_host_cpu_s"], f"{n['profile_peak_rss_mib']:.0f} MiB"),
+        ("second `push` of the same files (nothing uploaded, nothing installed)",
+         n["second_push_s"], n["second_push_host_cpu_s"], ""),
+    ]  # fmt: skip
+    lines = [
+        "## Fleet: 50 devices over SSH",
+        "",
+        "`EDGEQ_SLOW=1 pytest -s tests/fleet/test_fleet50.py` (`python tools/bench.py --only fleet`): 50 devices "
+        "on this machine, each an OpenSSH sshd of its own on a loopback port (own host key, own work folder), "
+        "25 virtualenv devices and 25 site devices (edgeq from unpacked wheels), none able to reach a package "
+        "index (the sshd sets `PIP_INDEX_URL` to a dead address), all naming one `wheelhouse`; `--parallel 8`.",
+        "",
+        "| step | wall | host process CPU | host peak RSS |",
+        "|---|---|---|---|",
+        *[f"| {what} | {wall:.0f} s | {cpu:.0f} s | {peak} |" for what, wall, cpu, peak in rows],
+        "",
+        f"- Cold push + profile: {n['cold_total_s']:.0f} s; target < 180 s on 2 cores: {met[n['cold_total_s'] < 180]}.",
+        f"- Second push: {n['second_push_s']:.0f} s; target < 30 s: {met[n['second_push_s'] < 30]}.",
+        f"- Host peak RSS: {rss:.0f} MiB; target < 150 MiB: {met[rss < 150]}.",
+        f"- One device's cold push at 8 in parallel: {n['venv_device_push_mean_s']:.0f} s for a venv device "
+        f"(create the venv, pip install nine wheels from the wheelhouse), {n['site_device_push_mean_s']:.0f} s "
+        "for a site device (unpack the wheels its Python lacks). Devices and host share the 2 cores; the "
+        "host's own CPU time is in the table.",
+        "",
+        "The same test checks behaviour: `devices check` finds the host's edgeq, numpy and LiteRT on all 50; "
+        "`--batch 10 --max-fail 10%` with 8 unreachable devices in the first batch stops the rollout (exit 6, "
+        "the 40 others listed as skipped, the file never reached them); 5 devices killed while they profile "
+        "(their sshd and every session) fail and are named, the other 45 finish (exit 5).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run() -> str | None:
+    numbers = measure()
+    return section(numbers) if numbers else None
