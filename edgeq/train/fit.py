@@ -548,16 +548,16 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                 stage_model = schemes.build_qat_model(float_model, stage_settings, only_layers=only)
                 # With TF-MOT's start, the input's preprocessing (Rescaling, Normalization) still
                 # gets its exact range from data: [-6, 6] can quantize it to all zeros.
-                only = input_preprocessing(float_model) if config.init_ranges == "tfmot" else None
-                if initial_epoch == 0 and (only is None or only):
+                preprocessing = input_preprocessing(float_model) if config.init_ranges == "tfmot" else None
+                if initial_epoch == 0 and (preprocessing is None or preprocessing):
                     set_here = initialize_ranges(
                         stage_model,
                         float_model,
                         dataset.calibration_samples(min(256, dataset.count("train"))),
-                        "minmax" if only else config.init_ranges,
+                        "minmax" if preprocessing else config.init_ranges,
                         stage.activation_bits,
                         symmetric=config.activations == "symmetric",
-                        only=only,
+                        only=preprocessing,
                     )
                     if set_here:
                         initialized[stage.name] = set_here

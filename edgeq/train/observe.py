@@ -124,7 +124,10 @@ def input_preprocessing(float_model) -> set[str]:
     for layer in float_model.layers:
         if type(layer).__name__ not in _PREPROCESSING:
             continue
-        feeds = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
+        try:
+            feeds = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
+        except AttributeError:  # a layer called more than once has no single input
+            continue
         sources = [t._keras_history.layer.name if id(t) not in inputs else None for t in feeds]
         if all(name is None or name in chain for name in sources):
             chain.add(layer.name)
