@@ -237,6 +237,13 @@ def _platform_tags(info: Probe) -> list[str]:
 
 
 _COMPLETE = ".complete"  # in a wheel cache folder: the wheels one pip download left there
+_DOWNLOAD_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _keyed_lock(locks: dict[str, threading.Lock], key: str) -> threading.Lock:
+    """The one lock of ``key`` in ``locks``, made on first use (device threads share it)."""
+    with _BUILD_LOCK:
+        return locks.setdefault(key, threading.Lock())
 
 
 def download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Path]:
@@ -246,9 +253,7 @@ def download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Pa
     platform and version set, not one per device of a fleet); devices in parallel threads
     wait for the one that downloads.
     """
-    with _BUILD_LOCK:
-        lock = _DOWNLOAD_LOCKS.setdefault(str(dest), threading.Lock())
-    with lock:
+    with _keyed_lock(_DOWNLOAD_LOCKS, str(dest)):
         done = dest / _COMPLETE
         if done.is_file():
             found = [dest / name for name in done.read_text(encoding="utf-8").split()]
@@ -258,9 +263,6 @@ def download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Pa
         with atomic_path(done) as part:
             part.write_text("\n".join(p.name for p in wheels) + "\n", encoding="utf-8")
         return wheels
-
-
-_DOWNLOAD_LOCKS: dict[str, threading.Lock] = {}
 
 
 def _download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Path]:
@@ -437,9 +439,7 @@ def _push_dependencies(transport: Transport, wheels: list[Path], python: str, wo
         push_files(transport, wheels, python=python, subdir="wheels")
         return confine(workdir, "wheels")
     house = transport.expand(device.wheelhouse).rstrip("/")
-    with _BUILD_LOCK:
-        lock = _WHEELHOUSE_LOCKS.setdefault(house, threading.Lock())
-    with lock:
+    with _keyed_lock(_WHEELHOUSE_LOCKS, house):
         records = push_files(transport, wheels, python=python, folder=house)
     sent = [r.name for r in records if r.status == "uploaded"]
     log.info("%s: wheelhouse %s: %d uploaded, %d there", device.name, house, len(sent), len(records) - len(sent))
