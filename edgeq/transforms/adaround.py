@@ -111,8 +111,8 @@ def adaround(
     def soft_kernel():
         return scale_t * tf.clip_by_value(floor_t + _rectified_sigmoid(v), -127, 127)
 
-    # the float layer's outputs, once: each step compares against them (a quarter of a step's work)
-    targets = tf.concat([f(x_all[i : i + 16], kernel_t) for i in range(0, len(inputs), 16)], axis=0)
+    # the float layer's outputs, once: each step gathers its batch's instead of recomputing them
+    targets = tf.concat([f(x_all[i : i + batch_size], kernel_t) for i in range(0, len(inputs), batch_size)], axis=0)
 
     @tf.function
     def step(x, target, beta, weight):
