@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 PROBE_SCRIPT = Path(__file__).with_name("_probe.py")
 BASE_REQUIREMENTS = ("numpy", "click", "ai-edge-litert")
+VENV_REQUIREMENTS = (*BASE_REQUIREMENTS, "pip")  # offline venvs: pip's wheel too (see ensure_runtime)
 WHEEL_CACHE = Path(os.environ.get("EDGEQ_WHEEL_CACHE", "~/.cache/edgeq/wheels")).expanduser()
 _MARKER = ".edgeq-wheel.sha256"
 RUNTIME_STATE = ".edgeq-runtime.json"  # WORKDIR/.edgeq-runtime.json: live and previous edgeq runtime
@@ -340,29 +341,43 @@ def ensure_runtime(
     if runtime.mode == "venv":
         check = transport.run(["test", "-x", python], timeout=60)
         fresh = not check.ok
+        # the venv's platform and Python are its base interpreter's: probe that one before the venv exists
+        info = probe(transport, python if not fresh else device.python)
+        dependencies = [] if device.online else _dependency_wheels(info, VENV_REQUIREMENTS, wheels_dir)
+        # With a pip wheel among them, a new venv is made without pip and pip runs from that wheel
+        # (installing itself into the venv with the rest): ensurepip's own install of pip and
+        # setuptools, byte-compiled, costs more than the whole install of edgeq's dependencies.
+        pip_wheel = next((w for w in dependencies if w.name.startswith("pip-")), None) if fresh else None
         if fresh:
-            made = transport.run([device.python, "-m", "venv", transport.expand(device.venv)], timeout=600)
+            without = ["--without-pip"] if pip_wheel else []
+            made = transport.run([device.python, "-m", "venv", *without, transport.expand(device.venv)], timeout=600)
             if not made.ok:
                 raise DeviceError(
                     f"{device.name}: cannot create a virtualenv with {device.python} ({made.last_error_line()}); "
                     "on Raspberry Pi OS: sudo apt-get install python3-venv (deploy/bootstrap-rpi.sh)"
                 )
-        info = probe(transport, python)
         # no byte-compiling at install: a module is compiled when it is first imported, and
         # most of numpy's and protobuf's modules never are on a device
-        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
+        options = ["install", "--quiet", "--disable-pip-version-check", "--no-compile"]
         # each edgeq build in its own folder, so the previous one's wheel is there for a rollback
         records = push_files(transport, [wheel], python=python, subdir=f"wheels/{digest[:16]}")
-        if not device.online:
-            dependencies = _dependency_wheels(info, BASE_REQUIREMENTS, wheels_dir)
-            pip += ["--no-index", "--find-links", _push_dependencies(transport, dependencies, python, workdir)]
         wheel_remote = records[0].remote_path
+        index, itself = [], []
+        if dependencies:
+            house = _push_dependencies(transport, dependencies, python, workdir)
+            index = ["--no-index", "--find-links", house]
+        if pip_wheel:  # --ignore-installed: pip run from its wheel would take itself for installed
+            runner = [python, f"{house}/{pip_wheel.name}/pip", *options, "--ignore-installed"]
+            itself = pinned(["pip"])
+        else:
+            runner = [python, "-m", "pip", *options]
+        pip = [*runner, *index]
         # First the dependencies (kept when they already fit), then this exact edgeq build
         # over whatever edgeq of the same version was there.
-        result = transport.run([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS)], timeout=1800)
+        result = transport.run([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS), *itself], timeout=1800)
         if not result.ok:  # no wheel of the host's versions for this device: the newest that fits
             log.warning("%s: the host's versions do not install (%s)", device.name, result.last_error_line())
-            result = transport.run([*pip, wheel_remote], timeout=1800)
+            result = transport.run([*pip, wheel_remote, *(["pip"] if pip_wheel else [])], timeout=1800)
         if result.ok and not fresh:  # a new virtualenv had no edgeq that the first install kept
             result = transport.run([*pip, "--force-reinstall", "--no-deps", wheel_remote], timeout=900)
         if not result.ok:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -44,6 +45,13 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
     push_s = time.monotonic() - start
     assert pushed.exit_code == 0, pushed.output
     assert "venv, installed" in pushed.stdout and "site, installed" in pushed.stdout
+    # the offline venv was made without ensurepip; pip came from the wheelhouse, at the host's version
+    from importlib.metadata import version
+
+    venv_python = str(fleet.x86_venv / "bin" / "python")
+    listed = subprocess.run([venv_python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True)
+    versions = {p["name"].lower(): p["version"] for p in json.loads(listed.stdout)}
+    assert versions["pip"] == version("pip") and "setuptools" not in versions, versions
     start = time.monotonic()
     profiled = _run(cli, fleet, "profile", INT8, "--data", DIGITS, "--runs", "20", "--on", "all")
     profile_s = time.monotonic() - start
