@@ -124,8 +124,11 @@ def _descendants(pid: int) -> list[int]:
 
 
 # What every session of a test sshd sees: pip has no route to a package index (a device
-# offline), so a bootstrap that needs one fails at once instead of passing by luck.
-NO_INDEX = "SetEnv PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_RETRIES=0 PIP_TIMEOUT=2"
+# offline), so a bootstrap that needs one fails at once instead of passing by luck. And
+# SHLVL=1: bash then does not take the command for one run by sshd, so it skips the ~/.bashrc of
+# this host's account (on a developer machine, `pyenv init` in it cost 0.17 s per command:
+# a cost of this machine, not of a device, that a 50-device fleet paid 50 times a step).
+NO_INDEX = "SetEnv PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_RETRIES=0 PIP_TIMEOUT=2 SHLVL=1"
 
 
 def start_sshd(folder: Path, client_pub: str, port: int | None = None) -> SSHServer:
