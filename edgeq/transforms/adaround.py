@@ -114,26 +114,30 @@ def adaround(
     # the float layer's outputs, once: each step gathers its batch's instead of recomputing them
     targets = tf.concat([f(x_all[i : i + batch_size], kernel_t) for i in range(0, len(inputs), batch_size)], axis=0)
 
-    @tf.function
-    def step(x, target, beta, weight):
-        with tf.GradientTape() as tape:
-            diff = f(x, soft_kernel()) - target
-            reconstruction = tf.reduce_mean(tf.reduce_sum(tf.square(diff), axis=-1))
-            h = _rectified_sigmoid(v)
-            rounding = tf.reduce_sum(1.0 - tf.pow(tf.abs(2.0 * h - 1.0), beta))
-            loss = reconstruction + weight * rounding
-        optimizer.apply_gradients([(tape.gradient(loss, v), v)])
-
     rng = np.random.default_rng(seed)
     n = len(inputs)
-    for i in range(iterations):
-        pick = rng.choice(n, size=min(batch_size, n), replace=False)
-        if i < warmup:
-            beta, weight = 20.0, 0.0
-        else:
-            progress = (i - warmup) / max(1, iterations - warmup)
-            beta, weight = 20.0 + (2.0 - 20.0) * progress, regularization
-        step(tf.gather(x_all, pick), tf.gather(targets, pick), tf.constant(beta), tf.constant(weight))
+    # the whole schedule up front, so that every step runs in one tf.function call (a Python
+    # loop of 300 steps per layer cost a few ms of overhead each)
+    picks = np.array([rng.choice(n, size=min(batch_size, n), replace=False) for _ in range(iterations)], np.int64)
+    progress = np.clip((np.arange(iterations) - warmup) / max(1, iterations - warmup), 0.0, None)
+    betas = np.where(np.arange(iterations) < warmup, 20.0, 20.0 + (2.0 - 20.0) * progress).astype(np.float32)
+    weights = np.where(np.arange(iterations) < warmup, 0.0, regularization).astype(np.float32)
+    optimizer.build([v])  # its slots made here, not inside the loop
+
+    @tf.function
+    def train(picks, betas, weights):
+        for i in tf.range(tf.shape(picks)[0]):
+            x, target = tf.gather(x_all, picks[i]), tf.gather(targets, picks[i])
+            with tf.GradientTape() as tape:
+                diff = f(x, soft_kernel()) - target
+                reconstruction = tf.reduce_mean(tf.reduce_sum(tf.square(diff), axis=-1))
+                h = _rectified_sigmoid(v)
+                rounding = tf.reduce_sum(1.0 - tf.pow(tf.abs(2.0 * h - 1.0), betas[i]))
+                loss = reconstruction + weights[i] * rounding
+            optimizer.apply_gradients([(tape.gradient(loss, v), v)])
+
+    if iterations > 0:
+        train(tf.constant(picks), tf.constant(betas), tf.constant(weights))
 
     learned = np.clip(floor + (_rectified_sigmoid(v).numpy() >= 0.5), -127, 127)
     nearest = weight_codes(kernel, scale, "nearest")
