@@ -170,13 +170,13 @@ def tflite_runtime_python(tmp_path_factory) -> str:
     """A device Python as Coral boards and older Raspberry Pi OS images have it: numpy 1.x and
     tflite-runtime 2.14, no ai-edge-litert (and no click: the bootstrap brings what is missing)."""
     venv = tmp_path_factory.mktemp("tflite-runtime") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # without ensurepip, and nothing byte-compiled: this pip installs into it (the device needs no pip)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     python = str(venv / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "numpy<2", "tflite-runtime==2.14.0"],
-        capture_output=True, text=True, timeout=1200, env=env,
-    )  # fmt: skip
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--disable-pip-version-check"]
+    pip += ["--no-compile", "numpy<2", "tflite-runtime==2.14.0"]
+    install = subprocess.run(pip, capture_output=True, text=True, timeout=1200, env=env)
     if install.returncode != 0 and "No matching distribution found for tflite-runtime" in install.stderr:
         pytest.skip(f"tflite-runtime 2.14 has no wheel for Python {sys.version_info[0]}.{sys.version_info[1]} here")
     assert install.returncode == 0, install.stderr
