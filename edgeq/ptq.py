@@ -125,13 +125,13 @@ class RangeCalibration:
             kernels.append((found[name], source, kernel, scale))  # the wrapper's kernel variable
         return kernels
 
-    def _layer_inputs(self, layers, samples: int = 64, budget_bytes: int = 1 << 30) -> dict:
-        """{layer name: an iterator that yields the layer's FP32 input on ``samples`` calibration samples}.
+    def _layer_inputs(self, layers, samples: int = 64, budget_bytes: int = 1 << 30):
+        """Yield each of ``layers``' FP32 input on ``samples`` calibration samples, in order.
 
         Consecutive layers are grouped until their inputs would pass ``budget_bytes``, and each
         group's inputs come from one pass of the model (one pass per layer cost MobileNetV2 at
-        224x224 166 s of its AdaRound's 620 s). A group is computed when its first layer asks.
-        At most 64 samples: a 112x112x96 input of 256 samples alone would be 1.2 GB.
+        224x224 166 s of its AdaRound's 620 s); a group is computed when its first layer is asked
+        for. At most 64 samples: a 112x112x96 input of 256 samples alone would be 1.2 GB.
         """
         x = self.x_calibration[:samples]
         groups, size = [[]], 0
@@ -142,17 +142,10 @@ class RangeCalibration:
                 size = 0
             groups[-1].append(layer)
             size += need
-        found: dict = {}
-
-        def inputs(group, name):
-            if name not in found:  # this group's pass; the previous group's arrays are let go
-                found.clear()
-                probe = keras.Model(self.float_model.inputs, [layer.input for layer in group])
-                got = probe.predict(x, batch_size=32, verbose=0)
-                found.update(zip([layer.name for layer in group], got if len(group) > 1 else [got]))
-            yield found[name]
-
-        return {layer.name: inputs(group, layer.name) for group in groups for layer in group}
+        for group in groups:
+            probe = keras.Model(self.float_model.inputs, [layer.input for layer in group])
+            got = probe.predict(x, batch_size=32, verbose=0)
+            yield from got if len(group) > 1 else [got]
 
     def _round_weights(self, method: str, seed: int, weight_method: str, iterations: int = 300) -> dict:
         """Set every quantized kernel to its codes by ``method`` times its scale.
@@ -169,7 +162,7 @@ class RangeCalibration:
             return record
         layers, values = [], []
         kernels = self._kernels()
-        inputs_of = self._layer_inputs([source for _, source, _, _ in kernels]) if method == "adaround" else {}
+        inputs = self._layer_inputs([source for _, source, _, _ in kernels]) if method == "adaround" else None
         for variable, source, kernel, scale in kernels:
             if method == "nearest":
                 values.append((variable, kernel))
@@ -179,7 +172,7 @@ class RangeCalibration:
             if method == "adaround":
                 from edgeq.transforms.adaround import adaround
 
-                q, result = adaround(source, next(inputs_of[source.name]), scale, iterations=iterations, seed=seed)
+                q, result = adaround(source, next(inputs), scale, iterations=iterations, seed=seed)
                 entry |= {
                     "output_mse_nearest": result.output_mse_nearest,
                     "output_mse": result.output_mse,
