@@ -1,7 +1,8 @@
 """edgeq: Keras model -> verified integer-only TFLite model -> proven on an edge device.
 
-`pip install edgeq` is the device runtime (numpy, click, LiteRT). The host extras bring
-TensorFlow and TF-MOT: `pip install "edgeq[train]"`.
+On a device: `pip install "edgeq[litert]"` (numpy, click, LiteRT), or on a numpy 1.x device
+that has tflite-runtime (Coral boards, older Raspberry Pi OS) `pip install "edgeq[tflite-runtime]"`,
+which installs no LiteRT. The host extras bring TensorFlow and TF-MOT: `pip install "edgeq[train]"`.
 """
 
 import re
@@ -11,6 +12,12 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "edgeq" / "__init__.py").read_text()).group(1)
+
+# LiteRT has wheels for x86-64 and aarch64 (Linux, macOS arm64, Windows AMD64).
+LITERT = (
+    "ai-edge-litert>=2.0; platform_machine=='x86_64' or platform_machine=='aarch64' "
+    "or platform_machine=='AMD64' or platform_machine=='arm64'"
+)
 
 setup(
     name="edgeq",
@@ -25,15 +32,25 @@ setup(
     # package as edgeq.models, so an installed edgeq finds them without the checkout.
     package_dir={"edgeq.models": "models"},
     package_data={"edgeq.models": ["*.toml"], "edgeq.report": ["templates/*.j2"]},
+    # The interpreter is an extra, one of two: an extra can add a requirement but never take one
+    # away, so a base that required LiteRT could not give a tflite-runtime device an install
+    # without it. A bare `pip install edgeq` says which extra to add when it needs a runtime.
     install_requires=[
         "numpy>=1.23",
         "click>=8.1",
-        # LiteRT has wheels for x86-64 and aarch64 Linux; old numpy<2 devices may use
-        # tflite-runtime instead (edgeq.runtime falls back to it).
-        "ai-edge-litert>=2.0; platform_machine=='x86_64' or platform_machine=='aarch64' or platform_machine=='AMD64' or platform_machine=='arm64'",
     ],
     extras_require={
+        "litert": [LITERT],
+        # Coral boards and older Raspberry Pi OS images: tflite-runtime 2.14 is built against
+        # NumPy 1.x (its import fails under numpy 2) and ships no .tflite schema, which the
+        # `tflite` package (pure Python, on flatbuffers) gives edgeq's model reader.
+        "tflite-runtime": [
+            "tflite-runtime>=2.14",
+            "numpy>=1.23,<2",
+            "tflite>=2.18",
+        ],
         "train": [
+            LITERT,
             # tf-keras depends on the full "tensorflow" package, so depending on
             # tensorflow-cpu too would only install TensorFlow twice.
             "tensorflow==2.21.0",
@@ -49,6 +66,7 @@ setup(
         ],
         # Host side of `edgeq push/devices/profile --on`: SSH to the devices.
         "deploy": [
+            LITERT,  # verify runs the models here too, and tflite-runtime devices get its schema
             "paramiko>=3.4",
             "pyyaml>=6",  # Ansible-style YAML inventories
             "tomli>=2; python_version<'3.11'",

@@ -33,11 +33,11 @@ mkdir -p "$(dirname "$VENV")"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 
 if [ -z "$SOURCE" ]; then
-  "${PIP[@]}" --upgrade edgeq
+  "${PIP[@]}" --upgrade "edgeq[litert]"
 elif [ -d "$SOURCE" ]; then
-  "${PIP[@]}" --no-index --find-links "$SOURCE" edgeq
+  "${PIP[@]}" --no-index --find-links "$SOURCE" "edgeq[litert]"
 else
-  "${PIP[@]}" "$SOURCE"
+  "${PIP[@]}" "$SOURCE[litert]"
 fi
 
 # Performance settings that make latency numbers comparable (optional, needs sudo):

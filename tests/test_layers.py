@@ -1,7 +1,7 @@
 """The package's layering, checked from the source: every import, module-level or lazy.
 
 - A module imports only from its own layer or from layers below it.
-- The device side (what `pip install edgeq` runs: profile, inspect, the runtime, the
+- The device side (what `pip install "edgeq[litert]"` runs: profile, inspect, the runtime, the
   scripts run on devices) never imports TensorFlow, Keras, TF-MOT or a host stage.
 - The fleet does not need TensorFlow either (`profile --on` from a machine without it), nor
   does the report (it is made from files).

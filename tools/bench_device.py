@@ -5,7 +5,7 @@ What it measures, each in a fresh process so that memory and imports are its own
 1. ``edgeq profile`` median latency vs ``litert-benchmark`` (ships with ai-edge-litert)
    on the same model and thread count; the two should agree within 10%.
 2. MobileNetV2 (alpha 1.0, 224x224) int8 vs FP32 speedup at 1 thread.
-3. The size of a base install (``pip install edgeq``, no extras) in a fresh virtualenv.
+3. The size of a device install (``pip install "edgeq[litert]"``) in a fresh virtualenv.
 4. Peak RSS of the ``edgeq profile`` process (and what it reports for the model).
 
 The MobileNetV2 files come from ``tools/make_tiny_models.py --mobilenetv2 DIR`` (host, with
@@ -119,7 +119,7 @@ def edgeq_profile(model: Path, *extra: str, threads: int = 1, runs: int = 50, wa
 
 
 def base_install_size() -> tuple[float, float, float]:
-    """(venv MiB, installed packages MiB without pip/setuptools, seconds) of ``pip install edgeq``."""
+    """(venv MiB, installed packages MiB without pip/setuptools, seconds) of ``pip install "edgeq[litert]"``."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
@@ -132,7 +132,15 @@ def base_install_size() -> tuple[float, float, float]:
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run(
-            [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(src)],
+            [
+                str(venv / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                f"{src}[litert]",
+            ],
             check=True,
             cwd=tmp,
             capture_output=True,
@@ -229,7 +237,7 @@ def run(
     if venv:
         total, site, seconds = base_install_size()
         lines += [
-            f"Base install (`pip install edgeq`, no extras, fresh virtualenv): {total:.0f} MiB in all, "
+            f'Device install (`pip install "edgeq[litert]"`, fresh virtualenv): {total:.0f} MiB in all, '
             f"{site:.0f} MiB for edgeq and its dependencies (numpy, click, ai-edge-litert, ...; pip itself excluded); "
             f"{seconds:.0f} s with a warm pip cache. No TensorFlow.",
             "",

@@ -377,7 +377,8 @@ def ensure_runtime(
         result = transport.run([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS), *itself], timeout=1800)
         if not result.ok:  # no wheel of the host's versions for this device: the newest that fits
             log.warning("%s: the host's versions do not install (%s)", device.name, result.last_error_line())
-            result = transport.run([*pip, wheel_remote, *(["pip"] if pip_wheel else [])], timeout=1800)
+            newest = [*BASE_REQUIREMENTS, *(["pip"] if pip_wheel else [])]  # edgeq's wheel requires no runtime
+            result = transport.run([*pip, wheel_remote, *newest], timeout=1800)
         if result.ok and not fresh:  # a new virtualenv had no edgeq that the first install kept
             result = transport.run([*pip, "--force-reinstall", "--no-deps", wheel_remote], timeout=900)
         if not result.ok:
@@ -492,7 +493,9 @@ def _schema_for_tflite_runtime() -> Path:
 
     spec = find_spec("ai_edge_litert.schema_py_generated")
     if spec is None or spec.origin is None:
-        raise DeviceError("this host has no ai-edge-litert schema to give a tflite-runtime device: pip install edgeq")
+        raise DeviceError(
+            "this host has no ai-edge-litert schema to give a tflite-runtime device: pip install 'edgeq[deploy]'"
+        )
     target = Path(tempfile.gettempdir()) / "edgeq-schema" / f"{SCHEMA_MODULE}.py"
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(spec.origin, target)

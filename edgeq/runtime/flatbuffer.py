@@ -60,13 +60,22 @@ class _SchemaMissing(ModelLoadError):
 @lru_cache(maxsize=1)
 def schema():
     """The flatbuffer schema module of ai-edge-litert; on a tflite-runtime device (which ships
-    none), the copy of it that ``edgeq push`` puts beside edgeq (``edgeq_tflite_schema``)."""
-    for name in ("ai_edge_litert.schema_py_generated", "tflite_runtime.schema_py_generated", "edgeq_tflite_schema"):
+    none), the copy of it that ``edgeq push`` puts beside edgeq (``edgeq_tflite_schema``), or
+    the ``tflite`` package that ``pip install "edgeq[tflite-runtime]"`` brings."""
+    names = (
+        "ai_edge_litert.schema_py_generated",
+        "tflite_runtime.schema_py_generated",
+        "edgeq_tflite_schema",
+        "tflite",
+    )
+    for name in names:
         try:
             return importlib.import_module(name)
         except ImportError:
             continue
-    raise _SchemaMissing("the .tflite schema is not installed: pip install ai-edge-litert")
+    raise _SchemaMissing(
+        'the .tflite schema is not installed: pip install "edgeq[litert]" (or "edgeq[tflite-runtime]")'
+    )
 
 
 @lru_cache(maxsize=1)
@@ -199,10 +208,14 @@ def _fused_activation(s, op) -> str:
     table = op.BuiltinOptions()
     if not options_type or table is None:
         return "NONE"
-    options = s.BuiltinOptionsCreator(options_type, table)
-    code = getattr(options, "fusedActivationFunction", None)
-    if code is None:
+    # the options table read through its class (BuiltinOptions' name for the type): the plain
+    # flatbuffer API that every generated schema has, LiteRT's and the `tflite` package's
+    options_class = getattr(s, _enum_names("BuiltinOptions").get(options_type, ""), None)
+    if options_class is None or not hasattr(options_class, "FusedActivationFunction"):
         return "NONE"
+    options = options_class()
+    options.Init(table.Bytes, table.Pos)
+    code = options.FusedActivationFunction()
     return _enum_names("ActivationFunctionType").get(int(code), str(code))
 
 

@@ -75,7 +75,10 @@ def select_backend(name: str | None = None) -> tuple[Backend, Any]:
             return backend, _import_backend(backend)
         except RuntimeBackendError as exc:
             errors.append(str(exc))
-    raise RuntimeBackendError("no TFLite interpreter is installed: pip install ai-edge-litert")
+    raise RuntimeBackendError(
+        'no TFLite interpreter is installed: pip install "edgeq[litert]" '
+        '(or "edgeq[tflite-runtime]" on a numpy 1.x device such as a Coral board)'
+    )
 
 
 def backend_version(backend: Backend) -> str:

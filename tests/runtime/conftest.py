@@ -50,13 +50,10 @@ def edit_model(path: Path, edit) -> bytes:
 
 
 @pytest.fixture(scope="session")
-def base_venv(tmp_path_factory) -> Path:
-    """A fresh virtualenv with only ``pip install edgeq`` (no extras): the device install.
-
-    The package is installed from a copy of the checkout (so the build leaves nothing in
-    the working tree); pip takes ai-edge-litert and numpy from its cache when it can.
-    """
-    root = tmp_path_factory.mktemp("base-install")
+def edgeq_wheel(tmp_path_factory) -> Path:
+    """The edgeq wheel built from a copy of the checkout (the build leaves nothing in the
+    working tree): what `pip install edgeq` takes from an index."""
+    root = tmp_path_factory.mktemp("edgeq-wheel")
     source = root / "src"
     source.mkdir()
     for name in ("setup.py", "pyproject.toml", "README.md"):
@@ -66,18 +63,48 @@ def base_venv(tmp_path_factory) -> Path:
     for name in ("edgeq", "models"):
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, source / name, ignore=ignore)
+    pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps"]
+    proc = subprocess.run([*pip, "-w", str(root / "dist"), str(source)], capture_output=True, text=True,
+                          timeout=600, cwd=root)  # fmt: skip
+    assert proc.returncode == 0, f"pip wheel edgeq failed:\n{proc.stdout}\n{proc.stderr}"
+    (wheel,) = (root / "dist").glob("edgeq-*.whl")
+    return wheel
+
+
+def install_venv(root: Path, *requirements: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """A fresh virtualenv with ``pip install REQUIREMENTS`` in it, pip run from this Python
+    (``--python``): ensurepip's own install of pip would cost more than edgeq's. pip takes
+    the dependencies from its cache when it can."""
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    python = venv / "bin" / "python"
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(source)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=env,
-        cwd=root,
-    )
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet"]
+    pip += ["--disable-pip-version-check", "--no-compile", *requirements]
+    return venv, subprocess.run(pip, capture_output=True, text=True, timeout=1200, env=env, cwd=root)
+
+
+@pytest.fixture(scope="session")
+def base_venv(tmp_path_factory, edgeq_wheel) -> Path:
+    """A fresh virtualenv with only ``pip install "edgeq[litert]"``: the device install."""
+    venv, proc = install_venv(tmp_path_factory.mktemp("base-install"), f"{edgeq_wheel}[litert]")
+    assert proc.returncode == 0, f"pip install edgeq[litert] failed:\n{proc.stdout}\n{proc.stderr}"
+    return venv
+
+
+@pytest.fixture(scope="session")
+def tflite_runtime_venv(tmp_path_factory, edgeq_wheel) -> Path:
+    """``pip install "edgeq[tflite-runtime]"``: numpy 1.x, tflite-runtime and no LiteRT, as on
+    a Coral board or an older Raspberry Pi OS image."""
+    venv, proc = install_venv(tmp_path_factory.mktemp("tflite-runtime-install"), f"{edgeq_wheel}[tflite-runtime]")
+    if proc.returncode != 0 and "No matching distribution found for tflite-runtime" in proc.stderr:
+        pytest.skip(f"tflite-runtime has no wheel for Python {sys.version_info[0]}.{sys.version_info[1]} here")
+    assert proc.returncode == 0, f"pip install edgeq[tflite-runtime] failed:\n{proc.stdout}\n{proc.stderr}"
+    return venv
+
+
+@pytest.fixture(scope="session")
+def bare_venv(tmp_path_factory, edgeq_wheel) -> Path:
+    """``pip install edgeq`` without an extra: numpy and click, no interpreter."""
+    venv, proc = install_venv(tmp_path_factory.mktemp("bare-install"), str(edgeq_wheel))
     assert proc.returncode == 0, f"pip install edgeq failed:\n{proc.stdout}\n{proc.stderr}"
     return venv
