@@ -193,10 +193,14 @@ def build_wheel(root: Path | None = None) -> Path:
         return _build_wheel(root or _source_root())
 
 
+KEEP_SOURCE_BUILDS = 4  # edgeq-src-* folders kept in the wheel cache, most recently used first
+
+
 def _build_wheel(root: Path) -> Path:
     out = WHEEL_CACHE / f"edgeq-src-{_source_hash(root)}"
     found = sorted(out.glob("edgeq-*.whl"))
     if found:
+        os.utime(out)  # used now: the pruning below keeps the most recently used builds
         return found[0]
     with tempfile.TemporaryDirectory(prefix="edgeq-wheel-") as tmp:
         src = Path(tmp) / "src"
@@ -220,7 +224,17 @@ def _build_wheel(root: Path) -> Path:
         with atomic_path(final) as part:
             shutil.copy2(wheels[0], part)
     log.info("built %s", final)
+    _prune_source_builds(out)
     return final
+
+
+def _prune_source_builds(current: Path) -> None:
+    """One wheel per source state would pile up with every edit of a checkout: only the
+    KEEP_SOURCE_BUILDS most recently used stay (the one just built among them)."""
+    builds = [p for p in WHEEL_CACHE.glob("edgeq-src-*") if p.is_dir() and p != current]
+    builds.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in builds[KEEP_SOURCE_BUILDS - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _platform_tags(info: Probe) -> list[str]:

@@ -383,3 +383,32 @@ def test_a_wheelhouse_must_be_a_folder_of_its_own(tmp_path):
         path.write_text(f'[devices.d]\nhost = "local"\nwheelhouse = "{bad}"\n')
         with pytest.raises(InventoryError, match="wheelhouse"):
             load_inventory(path)
+
+
+def test_the_host_keeps_only_the_last_few_source_builds(tmp_path, monkeypatch):
+    """Every edit of a checkout is another source state and another cached edgeq wheel: a build
+    prunes the cache to the KEEP_SOURCE_BUILDS most recently used, and a reused build counts as
+    used. The dependency wheels beside them stay."""
+    import time
+
+    from edgeq.fleet import bootstrap
+
+    monkeypatch.setattr(bootstrap, "WHEEL_CACHE", tmp_path / "wheels")
+    old = []
+    for i in range(6):  # six earlier source states, the first used longest ago
+        folder = tmp_path / "wheels" / f"edgeq-src-{i:016x}"
+        folder.mkdir(parents=True)
+        (folder / "edgeq-0-py3-none-any.whl").write_bytes(b"an earlier build")
+        os.utime(folder, (time.time() - 3600 + 60 * i,) * 2)
+        old.append(folder)
+    deps = tmp_path / "wheels" / "deps-x86_64-cp311-0123456789"
+    deps.mkdir()
+    os.utime(old[0], None)  # the oldest was used again just now
+
+    built = bootstrap.build_wheel()
+    assert built.is_file() and built.parent.name.startswith("edgeq-src-") and built.parent not in old
+    kept = sorted(p.name for p in (tmp_path / "wheels").glob("edgeq-src-*"))
+    assert kept == sorted([built.parent.name, old[0].name, old[5].name, old[4].name])
+    assert bootstrap.KEEP_SOURCE_BUILDS == 4 and deps.is_dir()
+    assert bootstrap.build_wheel() == built  # cached: nothing rebuilt, nothing pruned
+    assert len(list((tmp_path / "wheels").glob("edgeq-src-*"))) == 4
