@@ -61,6 +61,72 @@ def _set_weight_ranges(float_model, qat_model, method: str) -> list[ChosenRange]
     return chosen
 
 
+# Layers whose int8 kernels take one scale on input and output. With a fake-quant of their
+# own (TF-MOT gives one to these), its range and their inputs' become one; without one, a
+# range reaches them from the nearest quantized layer before (the pass-through ones).
+_SAME_SCALE = ("Concatenate", "AveragePooling2D", "MaxPooling2D")
+_PASS_THROUGH = ("MaxPooling2D", "ZeroPadding2D", "Reshape", "Flatten", "Cropping2D", "Dropout")
+
+
+def same_scale_ranges(float_model, points, ranges: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``ranges`` (one per point of ``activation_points``) with the inputs and output of every
+    concatenation and pooling given one range, the union of theirs.
+
+    TFLite's int8 CONCATENATION, AVERAGE_POOL_2D and MAX_POOL_2D (and a PAD before them) take
+    one scale for all their tensors. The converter's own calibration sets them so; fake-quant ranges set per
+    tensor make it insert a QUANTIZE op, a second rounding, for each input whose range
+    differs (20 of them in a DenseNet121). A chain of concatenations, one feeding the next,
+    becomes one group.
+    """
+    outputs = {}  # layer name -> index of the point on its output
+    for i, (low_var, _, _, layer) in enumerate(points):
+        if layer == "input" or suffix(low_var) in ("output_min", "post_activation_min"):
+            outputs.setdefault(layer, i)
+    parent = list(range(len(points)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    inputs = {id(t) for t in float_model.inputs}
+    for layer in float_model.layers:
+        if type(layer).__name__ not in _SAME_SCALE or layer.name not in outputs:
+            continue
+        members = [outputs[layer.name]]
+        for tensor in layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]:
+            while True:
+                if id(tensor) in inputs:
+                    found = outputs.get("input")
+                    break
+                producer = tensor._keras_history.layer
+                if producer.name in outputs:
+                    found = outputs[producer.name]
+                    break
+                if type(producer).__name__ not in _PASS_THROUGH:
+                    found = None
+                    break
+                tensor = producer.input
+            if found is None:  # a producer without a range of its own: leave this layer alone
+                members = []
+                break
+            members.append(found)
+        for other in members[1:]:
+            parent[root(other)] = root(members[0])
+    groups: dict[int, list[int]] = {}
+    for i in range(len(points)):
+        groups.setdefault(root(i), []).append(i)
+    unified = list(ranges)
+    for members in groups.values():
+        if len(members) > 1:
+            low = min(ranges[i][0] for i in members)
+            high = max(ranges[i][1] for i in members)
+            for i in members:
+                unified[i] = (low, high)
+    return unified
+
+
 class RangeCalibration:
     """The float model wrapped and observed once; ``model(method)`` sets ranges by any method.
 
@@ -98,8 +164,9 @@ class RangeCalibration:
         edgeq chose times its scale (``self.rounding`` then says what was done).
         """
         chosen = []
-        for (low_var, high_var, _, layer), observer in zip(self.points, self.observers):
-            low, high = activation_range(observer.values(), activations)
+        ranges = [activation_range(observer.values(), activations) for observer in self.observers]
+        ranges = same_scale_ranges(self.float_model, self.points, ranges)
+        for (low_var, high_var, _, layer), (low, high) in zip(self.points, ranges):
             low_var.assign(low)
             high_var.assign(high)
             chosen.append(ChosenRange(low_var.name.split(":")[0], layer, low, high))

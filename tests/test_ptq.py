@@ -336,3 +336,52 @@ def test_plan_records_its_ranges_and_convert_plan_uses_them(cli, digits_run, tmp
     manifest = json.loads(out.with_name("planned.manifest.json").read_text())
     assert manifest["ptq"]["chosen"] == "percentile" and manifest["ptq"]["plan"] == str(plan)
     assert any("percentile activation ranges" in n for n in manifest["notes"])
+
+
+def test_concatenations_get_one_range_so_the_converter_adds_no_requantization(tmp_path):
+    """A DenseNet-like chain (PAD -> MAX_POOL -> CONCATENATION -> ... -> CONCATENATION): TFLite's
+    int8 kernels of these want one scale on all their tensors. With each tensor's own range
+    the converter inserted a QUANTIZE op (a second rounding) where they differ; edgeq gives
+    the chain one range, the union, as the converter's own calibration does."""
+    from edgeq.compat import keras
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.ptq import RangeCalibration
+    from edgeq.runtime.flatbuffer import read_tflite
+
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16, 16, 3))
+    stem = layers.Conv2D(8, 3, padding="same", activation="relu")
+    x = layers.MaxPooling2D(3, strides=2)(layers.ZeroPadding2D(1)(stem(inp)))
+    chain, convs = [stem.name], []
+    for i in range(3):
+        conv = layers.Conv2D(8 * (i + 1), 3, padding="same")
+        concat = layers.Concatenate()
+        x = concat([x, conv(layers.ReLU()(layers.BatchNormalization()(x)))])
+        chain.append(concat.name)
+        convs.append(conv.name)
+    head = layers.Dense(10)
+    model = keras.Model(inp, head(layers.GlobalAveragePooling2D()(x)))
+    rng = np.random.default_rng(0)
+    samples = rng.random((64, 16, 16, 3)).astype(np.float32)
+    model(samples, training=True)  # BN statistics of a sort, not their initial 0 and 1
+
+    qat, chosen = RangeCalibration(model, samples).model("minmax")
+    ranges = {c.layer: (c.low, c.high) for c in chosen if "kernel" not in c.variable}
+    assert len({ranges[n] for n in chain}) == 1, {n: ranges[n] for n in chain}  # conv -> pad -> pool joins too
+    assert ranges[head.name] != ranges[chain[0]]  # what feeds no concatenation keeps its own
+
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=samples, y=np.zeros(len(samples), np.int64))
+    out = tmp_path / "dense.tflite"
+    convert(qat, out, ConvertOptions(mode="int8-only", calib=f"npz:{calib}", min_sqnr_db=-100.0))
+    graph = read_tflite(out).subgraphs[0]
+    ops = [op.op_type for op in graph.operators]
+    assert ops.count("CONCATENATION") == 3 and "QUANTIZE" not in ops, ops
+    concat_scales = {
+        graph.tensors[t].scale
+        for op in graph.operators
+        if op.op_type == "CONCATENATION"
+        for t in (*op.inputs, *op.outputs)
+    }
+    assert len(concat_scales) == 1, concat_scales
