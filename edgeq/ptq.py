@@ -73,9 +73,9 @@ def same_scale_ranges(float_model, points, ranges: list[tuple[float, float]]) ->
     concatenation and pooling given one range, the union of theirs.
 
     TFLite's int8 CONCATENATION, AVERAGE_POOL_2D and MAX_POOL_2D (and a PAD before them) take
-    one scale for all their tensors. The converter's own calibration sets them so; fake-quant ranges set per
-    tensor make it insert a QUANTIZE op, a second rounding, for each input whose range
-    differs (20 of them in a DenseNet121). A chain of concatenations, one feeding the next,
+    one scale for all their tensors. The converter's own calibration sets them so; fake-quant
+    ranges set per tensor make it insert a QUANTIZE op, a second rounding, for each input
+    whose range differs (20 of them in a DenseNet121). A chain of concatenations, one feeding the next,
     becomes one group.
     """
     outputs = {}  # layer name -> index of the point on its output
@@ -94,26 +94,12 @@ def same_scale_ranges(float_model, points, ranges: list[tuple[float, float]]) ->
     for layer in float_model.layers:
         if type(layer).__name__ not in _SAME_SCALE or layer.name not in outputs:
             continue
-        members = [outputs[layer.name]]
-        for tensor in layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]:
-            while True:
-                if id(tensor) in inputs:
-                    found = outputs.get("input")
-                    break
-                producer = tensor._keras_history.layer
-                if producer.name in outputs:
-                    found = outputs[producer.name]
-                    break
-                if type(producer).__name__ not in _PASS_THROUGH:
-                    found = None
-                    break
-                tensor = producer.input
-            if found is None:  # a producer without a range of its own: leave this layer alone
-                members = []
-                break
-            members.append(found)
-        for other in members[1:]:
-            parent[root(other)] = root(members[0])
+        feeds = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
+        found = [_range_of(tensor, outputs, inputs) for tensor in feeds]
+        if None in found:  # a producer without a range of its own: leave this layer alone
+            continue
+        for other in found:
+            parent[root(other)] = root(outputs[layer.name])
     groups: dict[int, list[int]] = {}
     for i in range(len(points)):
         groups.setdefault(root(i), []).append(i)
@@ -125,6 +111,19 @@ def same_scale_ranges(float_model, points, ranges: list[tuple[float, float]]) ->
             for i in members:
                 unified[i] = (low, high)
     return unified
+
+
+def _range_of(tensor, outputs: dict, inputs: set) -> int | None:
+    """The index of the point whose range ``tensor`` has: its producer's, or through
+    pass-through layers the nearest quantized one's before; None when there is none."""
+    while id(tensor) not in inputs:
+        producer = tensor._keras_history.layer
+        if producer.name in outputs:
+            return outputs[producer.name]
+        if type(producer).__name__ not in _PASS_THROUGH:
+            return None
+        tensor = producer.input
+    return outputs.get("input")
 
 
 class RangeCalibration:
