@@ -21,9 +21,16 @@ from edgeq.compat import keras
 from edgeq.numerics import weight_codes, weight_error
 from edgeq.ranges import activation_range, weight_ranges
 from edgeq.train import schemes
-from edgeq.train.observe import activation_points, by_suffix, observe, suffix
+from edgeq.train.observe import (
+    activation_points,
+    by_suffix,
+    observe,
+    same_scale_ranges,
+    suffix,
+    unquantized_same_scale,
+)
 from edgeq.transforms.adaround import ADAROUND_LAYERS, kernel_name
-from edgeq.transforms.fold import fold_batchnorm
+from edgeq.transforms.fold import fold_batchnorm, fold_offsets
 from edgeq.transforms.tfops import replace_tf_ops
 
 log = logging.getLogger(__name__)
@@ -61,71 +68,6 @@ def _set_weight_ranges(float_model, qat_model, method: str) -> list[ChosenRange]
     return chosen
 
 
-# Layers whose int8 kernels take one scale on input and output. With a fake-quant of their
-# own (TF-MOT gives one to these), its range and their inputs' become one; without one, a
-# range reaches them from the nearest quantized layer before (the pass-through ones).
-_SAME_SCALE = ("Concatenate", "AveragePooling2D", "MaxPooling2D")
-_PASS_THROUGH = ("MaxPooling2D", "ZeroPadding2D", "Reshape", "Flatten", "Cropping2D", "Dropout")
-
-
-def same_scale_ranges(float_model, points, ranges: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """``ranges`` (one per point of ``activation_points``) with the inputs and output of every
-    concatenation and pooling given one range, the union of theirs.
-
-    TFLite's int8 CONCATENATION, AVERAGE_POOL_2D and MAX_POOL_2D (and a PAD before them) take
-    one scale for all their tensors. The converter's own calibration sets them so; fake-quant
-    ranges set per tensor make it insert a QUANTIZE op, a second rounding, for each input
-    whose range differs (20 of them in a DenseNet121). A chain of concatenations, one feeding the next,
-    becomes one group.
-    """
-    outputs = {}  # layer name -> index of the point on its output
-    for i, (low_var, _, _, layer) in enumerate(points):
-        if layer == "input" or suffix(low_var) in ("output_min", "post_activation_min"):
-            outputs.setdefault(layer, i)
-    parent = list(range(len(points)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    inputs = {id(t) for t in float_model.inputs}
-    for layer in float_model.layers:
-        if type(layer).__name__ not in _SAME_SCALE or layer.name not in outputs:
-            continue
-        feeds = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
-        found = [_range_of(tensor, outputs, inputs) for tensor in feeds]
-        if None in found:  # a producer without a range of its own: leave this layer alone
-            continue
-        for other in found:
-            parent[root(other)] = root(outputs[layer.name])
-    groups: dict[int, list[int]] = {}
-    for i in range(len(points)):
-        groups.setdefault(root(i), []).append(i)
-    unified = list(ranges)
-    for members in groups.values():
-        if len(members) > 1:
-            low = min(ranges[i][0] for i in members)
-            high = max(ranges[i][1] for i in members)
-            for i in members:
-                unified[i] = (low, high)
-    return unified
-
-
-def _range_of(tensor, outputs: dict, inputs: set) -> int | None:
-    """The index of the point whose range ``tensor`` has: its producer's, or through
-    pass-through layers the nearest quantized one's before; None when there is none."""
-    while id(tensor) not in inputs:
-        producer = tensor._keras_history.layer
-        if producer.name in outputs:
-            return outputs[producer.name]
-        if type(producer).__name__ not in _PASS_THROUGH:
-            return None
-        tensor = producer.input
-    return outputs.get("input")
-
-
 class RangeCalibration:
     """The float model wrapped and observed once; ``model(method)`` sets ranges by any method.
 
@@ -143,6 +85,7 @@ class RangeCalibration:
         fold: bool = False,
     ):
         float_model, _ = replace_tf_ops(float_model)
+        float_model = fold_offsets(float_model)  # as the converter does: conv(x) + 3 is one tensor
         # The converter's own BN fold is wrong after per-tensor fake-quant (see transforms.fold),
         # and it would requantize weights whose rounding edgeq chose: fold first for both.
         if per_tensor or fold:
@@ -155,6 +98,7 @@ class RangeCalibration:
         self.qat_model = schemes.build_qat_model(float_model, settings)
         self.points = activation_points(float_model, self.qat_model)
         self.observers = observe(float_model, self.points, x_calibration, batch_size, seed)
+        self.unquantized = unquantized_same_scale(float_model, self.points, x_calibration, batch_size, seed)
 
     def model(self, activations: str = "mse", weights: str = "minmax", rounding: str = "nearest", seed: int = 0):
         """The QAT model with ranges set by these methods, and the ranges chosen.
@@ -164,7 +108,7 @@ class RangeCalibration:
         """
         chosen = []
         ranges = [activation_range(observer.values(), activations) for observer in self.observers]
-        ranges = same_scale_ranges(self.float_model, self.points, ranges)
+        ranges = same_scale_ranges(self.float_model, self.points, ranges, self.unquantized)
         for (low_var, high_var, _, layer), (low, high) in zip(self.points, ranges):
             low_var.assign(low)
             high_var.assign(high)

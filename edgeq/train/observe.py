@@ -107,6 +107,105 @@ def observe(float_model, points, x: np.ndarray, batch_size: int = 16, seed: int 
     return observers
 
 
+# Layers whose int8 kernels take one scale on input and output. With a fake-quant of their
+# own, its range and their inputs' become one; without one (TF-MOT leaves an AveragePooling2D
+# that feeds a concatenation unquantized), their output is observed for the same purpose.
+_SAME_SCALE = ("Concatenate", "AveragePooling2D", "MaxPooling2D")
+_PASS_THROUGH = ("MaxPooling2D", "ZeroPadding2D", "Reshape", "Flatten", "Cropping2D", "Dropout")
+
+
+def unquantized_same_scale(float_model, points, x: np.ndarray, batch_size: int = 16, seed: int = 0) -> dict:
+    """{name: (min, max) of its output on ``x``} of the same-scale layers of ``float_model``
+    without a fake-quant on their output among ``points``."""
+    covered = {layer for low_var, _, _, layer in points if layer == "input" or _is_output(low_var)}
+    layers = [la for la in float_model.layers if type(la).__name__ in _SAME_SCALE and la.name not in covered]
+    if not layers:
+        return {}
+    observers = observe(float_model, [(None, None, la.output, la.name) for la in layers], x, batch_size, seed)
+    return {la.name: (o.low, o.high) for la, o in zip(layers, observers)}
+
+
+def _is_output(low_var) -> bool:
+    return suffix(low_var) in ("output_min", "post_activation_min")
+
+
+def same_scale_ranges(
+    float_model, points, ranges: list[tuple[float, float]], unquantized: dict | None = None
+) -> list[tuple[float, float]]:
+    """``ranges`` (one per point of ``activation_points``) with the inputs and output of every
+    concatenation and pooling given one range.
+
+    TFLite's int8 CONCATENATION, AVERAGE_POOL_2D and MAX_POOL_2D (and a PAD before them) take
+    one scale for all their tensors. The converter's own calibration sets them so; fake-quant
+    ranges set per tensor make it insert a QUANTIZE op, a second rounding, for each input
+    whose range differs (20 of them in a DenseNet121). A chain of concatenations, one feeding
+    the next, becomes one group, whose range is the union of its members' but for one thing
+    the converter also does: a tensor that feeds only an average pooling takes the pooling's
+    narrower output range instead of widening the group's. ``unquantized`` gives the observed
+    output range of same-scale layers without a fake-quant (``unquantized_same_scale``).
+    """
+    unquantized = unquantized or {}
+    outputs = {}  # layer name -> index of the node on its output
+    for i, (low_var, _, _, layer) in enumerate(points):
+        if layer == "input" or _is_output(low_var):
+            outputs.setdefault(layer, i)
+    nodes = list(ranges)
+    for name, observed in unquantized.items():
+        outputs.setdefault(name, len(nodes))
+        nodes.append(observed)
+    parent = list(range(len(nodes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    inputs = {id(t) for t in float_model.inputs}
+    followers = set()  # nodes that take their group's range and do not widen it
+    for layer in float_model.layers:
+        if type(layer).__name__ not in _SAME_SCALE or layer.name not in outputs:
+            continue
+        feeds = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
+        found = [_range_of(tensor, outputs, inputs) for tensor in feeds]
+        if any(node is None for node, _ in found):  # a producer without a range: leave this layer alone
+            continue
+        for node, only_here in found:
+            if type(layer).__name__ == "AveragePooling2D" and only_here:
+                followers.add(node)
+            parent[root(node)] = root(outputs[layer.name])
+    groups: dict[int, list[int]] = {}
+    for i in range(len(nodes)):
+        groups.setdefault(root(i), []).append(i)
+    unified = list(ranges)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        leaders = [i for i in members if i not in followers] or members
+        low = min(nodes[i][0] for i in leaders)
+        high = max(nodes[i][1] for i in leaders)
+        for i in members:
+            if i < len(unified):
+                unified[i] = (low, high)
+    return unified
+
+
+def _range_of(tensor, outputs: dict, inputs: set) -> tuple[int | None, bool]:
+    """The node whose range ``tensor`` has (its producer's, or through pass-through and
+    unquantized same-scale layers the nearest quantized one's before; None when there is
+    none), and whether every tensor on the way has one consumer only."""
+    only = True
+    while id(tensor) not in inputs:
+        producer = tensor._keras_history.layer
+        only = only and len(producer._outbound_nodes) == 1
+        if producer.name in outputs:
+            return outputs[producer.name], only
+        if type(producer).__name__ not in _PASS_THROUGH + _SAME_SCALE:
+            return None, only
+        tensor = producer.input
+    return outputs.get("input"), only
+
+
 # Preprocessing layers: a fixed affine map of the input, with no weights that train.
 _PREPROCESSING = ("Rescaling", "Normalization")
 
@@ -154,12 +253,19 @@ def initialize_ranges(
         points = [point for point in points if point[3] in only]
     if not points:
         return 0
-    done = 0
-    for (low_var, high_var, _, _), observer in zip(points, observe(float_model, points, x)):
+    ranges = []
+    for observer in observe(float_model, points, x):
         if not (np.isfinite(observer.low) and np.isfinite(observer.high)) or observer.high - observer.low < 1e-6:
-            continue  # a dead or exploding tensor: TF-MOT's start is the safer one
+            ranges.append((np.inf, -np.inf))  # a dead or exploding tensor: TF-MOT's start is the safer one
+            continue
         # 16-bit activations lose nothing to outliers worth clipping: keep every value
-        low, high = activation_range(observer.values(), method if bits <= 8 else "minmax", bits=bits)
+        ranges.append(activation_range(observer.values(), method if bits <= 8 else "minmax", bits=bits))
+    # what TFLite's concatenation and pooling kernels need anyway: one range for their tensors
+    ranges = same_scale_ranges(float_model, points, ranges, unquantized_same_scale(float_model, points, x))
+    done = 0
+    for (low_var, high_var, _, _), (low, high) in zip(points, ranges):
+        if not low < high:
+            continue
         if symmetric:
             low, high = -max(-low, high), max(-low, high)
         low_var.assign(low)
