@@ -288,6 +288,28 @@ def test_qat_starts_from_calibrated_activation_ranges_not_tfmots_default():
         assert float(low.numpy()) == pytest.approx(min(float(seen.min()), 0.0), rel=1e-5), layer
 
 
+def test_qat_starts_with_one_range_per_concatenation_chain():
+    """QAT's calibrated start (--init-ranges) gives a concatenation and its inputs one range, as
+    PTQ does, so the QAT model does not start with a requantization at each concatenation."""
+    from edgeq.compat import keras
+    from edgeq.train.observe import activation_points, initialize_ranges
+    from edgeq.train.schemes import QuantSettings, build_qat_model
+
+    L = keras.layers
+    inputs = keras.Input((8, 8, 1))
+    a = L.Conv2D(4, 3, padding="same", name="a")(inputs)
+    b = L.Conv2D(4, 3, padding="same", name="b")(L.ReLU()(a))
+    x = L.Concatenate(name="cat")([a, b])
+    model = keras.Model(inputs, L.Dense(3, name="head")(L.GlobalAveragePooling2D()(x)))
+    qat = build_qat_model(model, QuantSettings())
+    data = np.random.default_rng(0).uniform(0, 1, size=(64, 8, 8, 1)).astype("float32")
+    initialize_ranges(qat, model, data, "minmax")
+    ranges = {layer: (float(lo.numpy()), float(hi.numpy())) for lo, hi, _, layer in activation_points(model, qat)}
+    chain = [ranges[name] for name in ("a", "b", "cat") if name in ranges]
+    assert len(chain) == 3 and len(set(chain)) == 1, ranges
+    assert ranges["head"] != chain[0]
+
+
 def _hot_pixel_digits(samples=128):
     """digits where one of the ``samples`` calibration samples has a hot pixel (the rest are in [0, 1])."""
     from dataclasses import replace
@@ -385,3 +407,104 @@ def test_concatenations_get_one_range_so_the_converter_adds_no_requantization(tm
         for t in (*op.inputs, *op.outputs)
     }
     assert len(concat_scales) == 1, concat_scales
+
+
+def _ops_and_scales(path):
+    from edgeq.runtime.flatbuffer import read_tflite
+
+    graph = read_tflite(path).subgraphs[0]
+    return graph, [op.op_type for op in graph.operators]
+
+
+def test_an_average_pooling_into_a_concatenation_gets_the_converters_ranges(tmp_path):
+    """A DenseNet transition (BN-ReLU-1x1 conv-AveragePooling2D) feeding the next block's
+    concatenations. TF-MOT leaves that pooling without a fake-quant; edgeq observes its output,
+    gives the chain one range and the conv before the pooling the pooling's narrower range,
+    as the converter's own calibration does: no QUANTIZE op, and the same scales as the
+    converter's minmax (before, the conv's own wider range widened the chain by 19%)."""
+    from edgeq.compat import keras
+    from edgeq.convert import ConvertOptions, convert
+
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16, 16, 3))
+    x = layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    x = layers.Conv2D(8, 1, use_bias=False, name="transition_conv")(x)
+    x = layers.AveragePooling2D(2, name="transition_pool")(x)
+    for _ in range(2):
+        y = layers.Conv2D(8, 3, padding="same", use_bias=False)(layers.ReLU()(layers.BatchNormalization()(x)))
+        x = layers.Concatenate()([x, y])
+    model = keras.Model(inp, layers.Dense(10)(layers.GlobalAveragePooling2D()(x)))
+    samples = np.random.default_rng(0).random((300, 16, 16, 3)).astype(np.float32)
+    model(samples[:64], training=True)
+    path = tmp_path / "transition.keras"
+    model.save(path)
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=samples, y=np.zeros(len(samples), np.int64))
+    scales = {}
+    for ptq in ("converter", "minmax"):
+        out = tmp_path / f"{ptq}.tflite"
+        convert(path, out, ConvertOptions(mode="int8-only", calib=f"npz:{calib}", ptq=ptq, min_sqnr_db=-100.0))
+        graph, ops = _ops_and_scales(out)
+        assert "QUANTIZE" not in ops, (ptq, ops)
+        scales[ptq] = [
+            graph.tensors[op.outputs[0]].scale
+            for op in graph.operators
+            if op.op_type in ("AVERAGE_POOL_2D", "CONCATENATION")
+        ]
+        assert len(set(scales[ptq])) == 1, (ptq, scales[ptq])  # the chain has one scale
+    assert scales["minmax"][0] == pytest.approx(scales["converter"][0], rel=0.02)
+
+
+def _mobilenet_v3_like():
+    """tf_keras' MobileNetV3 way: hard-swish and the SE gate's hard-sigmoid built of TF ops."""
+    from edgeq.compat import keras
+
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16, 16, 3))
+    y = layers.Conv2D(8, 3, padding="same")(inp)
+    y = layers.Multiply()([y, layers.ReLU(6.0)(y + 3.0) * (1.0 / 6.0)])  # hard-swish
+    gate = layers.GlobalAveragePooling2D(keepdims=True)(y)
+    gate = layers.Conv2D(4, 1, activation="relu")(gate)
+    gate = layers.ReLU(6.0)(layers.Conv2D(8, 1)(gate) + 3.0) * (1.0 / 6.0)  # hard-sigmoid
+    y = layers.Multiply()([y, gate])
+    y = layers.Conv2D(8, 1)(y)
+    y = layers.Multiply()([y, layers.ReLU(6.0)(y + 3.0) * (1.0 / 6.0)])
+    return keras.Model(inp, layers.Dense(10)(layers.GlobalAveragePooling2D()(y)))
+
+
+def test_hard_swish_and_the_se_gate_convert_to_the_converters_ops(tmp_path):
+    """With a fake-quant on each of hard-swish's four layers the converter cannot fuse them:
+    edgeq's int8 MobileNetV3Small had 151 ops (ADD and MUL chains, a rounding after each)
+    where the converter's own has 104. edgeq makes each hard-swish one HardSwish layer and folds
+    the SE gate's + 3 into its conv's bias, so its PTQ and QAT models convert to HARD_SWISH and
+    to the converter's op list; the float outputs do not change."""
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.model_io import load_keras_model
+    from edgeq.train import schemes
+    from edgeq.transforms.tfops import replace_tf_ops
+
+    model = _mobilenet_v3_like()
+    samples = np.random.default_rng(0).normal(0, 1, (300, 16, 16, 3)).astype(np.float32)
+    rewritten, done = replace_tf_ops(model)
+    assert sum(r.became == "HardSwish" for r in done) == 2
+    assert np.max(np.abs(rewritten.predict(samples[:8], verbose=0) - model.predict(samples[:8], verbose=0))) < 1e-5
+    path = tmp_path / "mnv3_like.keras"
+    model.save(path)
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=samples, y=np.zeros(len(samples), np.int64))
+    ops = {}
+    for ptq in ("converter", "minmax"):
+        out = tmp_path / f"{ptq}.tflite"
+        convert(path, out, ConvertOptions(mode="int8-only", calib=f"npz:{calib}", ptq=ptq, min_sqnr_db=-100.0))
+        ops[ptq] = sorted(_ops_and_scales(out)[1])
+    assert ops["converter"].count("HARD_SWISH") == 2 and "ADD" not in ops["converter"]
+    assert ops["minmax"] == ops["converter"]
+
+    qat = schemes.build_qat_model(model, schemes.QuantSettings())
+    assert sum(type(la.layer).__name__ == "HardSwish" for la in qat.layers if hasattr(la, "layer")) == 2
+    qat.save(tmp_path / "qat.h5")
+    out = tmp_path / "qat.tflite"
+    convert(load_keras_model(tmp_path / "qat.h5"), out, ConvertOptions(mode="int8-only", calib=f"npz:{calib}"))
+    assert _ops_and_scales(out)[1].count("HARD_SWISH") == 2

@@ -108,6 +108,7 @@ _WEIGHTED = ("Conv2D", "DepthwiseConv2D", "Dense")
 # Layers TF-MOT has no config for, whose TFLite ops have int8 kernels and need only their
 # output range: edgeq quantizes their output (quantize_configs.OutputQuantizeConfig).
 _OUTPUT_ONLY = (
+    "HardSwish",  # edgeq's, quantize_configs.HardSwish
     "TFOpLambda",
     "Multiply",
     "Rescaling",
@@ -257,7 +258,9 @@ def _check_layers(model, settings: QuantSettings) -> None:
             problems.append(f"{layer.name!r} (Lambda: a Python function TF-MOT cannot clone)")
         elif kind == "TFOpLambda":
             problems.append(f"{layer.name!r} (TF op {getattr(layer, 'symbol', '?')})")
-        elif not type(layer).__module__.startswith(("tf_keras.", "keras.", "tensorflow_model_optimization.")):
+        elif not type(layer).__module__.startswith(("tf_keras.", "keras.", "tensorflow_model_optimization.")) and (
+            type(layer) not in CUSTOM_OBJECTS.values()
+        ):
             problems.append(f"{layer.name!r} ({kind}: a custom layer)")
         elif kind != "Activation" and callable(getattr(layer, "activation", None)):
             name = getattr(layer.activation, "__name__", type(layer.activation).__name__)

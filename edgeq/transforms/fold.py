@@ -98,3 +98,64 @@ def fold_batchnorm(model):
         {name: _folded_weights(by_name[name], by_name[folded_bn_of[name]]) for name in producers},
     )
     return folded
+
+
+def _offset_pairs(model) -> dict[str, str]:
+    """{Rescaling name: producer name} for each Rescaling that only shifts (and scales) a
+    Conv/Dense output no other layer reads."""
+    pairs = {}
+    for layer in model.layers:
+        if type(layer).__name__ != "Rescaling" or len(layer._inbound_nodes) != 1:  # noqa: SLF001
+            continue
+        if np.ndim(layer.scale) or np.ndim(layer.offset):
+            continue
+        producer = layer.input._keras_history.layer
+        if type(producer).__name__ not in _FOLDABLE or len(producer._inbound_nodes) != 1:  # noqa: SLF001
+            continue
+        if len(producer._outbound_nodes) != 1 or getattr(producer, "activation", None) not in (  # noqa: SLF001
+            None,
+            keras.activations.linear,
+        ):
+            continue
+        pairs[layer.name] = producer.name
+    return pairs
+
+
+def fold_offsets(model):
+    """A new functional model with each ``Rescaling(s, o)`` that follows a Conv/Dense folded
+    into its kernel (times s) and bias (times s, plus o).
+
+    MobileNetV3's hard-sigmoid is ``ReLU6(conv(x) + 3) / 6``: the converter folds the 3 into
+    the conv's bias and the ReLU6 into the conv, so the conv's output is quantized once. With
+    a fake-quant on the conv's output and another on the sum, it could do neither. Outputs
+    match the original to float rounding. Returns the model itself when there is nothing to fold.
+    """
+    pairs = _offset_pairs(model)
+    if not pairs:
+        return model
+    by_name = {layer.name: layer for layer in model.layers}
+    producers = {producer: by_name[name] for name, producer in pairs.items()}
+    clones_with_bias: dict[str, object] = {}
+
+    def rewrite(layer, node, args, kwargs):
+        if layer.name in pairs:  # the Rescaling: its output is the producer's now
+            return args[0]
+        if layer.name in producers:
+            config = {**layer.get_config(), "use_bias": True}
+            clone = clones_with_bias[layer.name] = layer.__class__.from_config(config)
+            return clone(*args, **kwargs)
+        return None
+
+    def folded_weights(producer, rescaling):
+        weights = producer.get_weights()
+        kernel = weights[0]
+        out_shape = kernel.shape[2:] if type(producer).__name__ == "DepthwiseConv2D" else kernel.shape[-1:]
+        bias = weights[1] if producer.use_bias else np.zeros(int(np.prod(out_shape)), kernel.dtype)
+        s, o = float(rescaling.scale), float(rescaling.offset)
+        return [(kernel * s).astype(np.float32), (bias * s + o).astype(np.float32)]
+
+    folded, clones = rebuild(model, rewrite)
+    clones.update(clones_with_bias)
+    overrides = {name: folded_weights(by_name[name], rescaling) for name, rescaling in producers.items()}
+    copy_weights(model, clones, overrides)
+    return folded

@@ -11,6 +11,10 @@ run then names them).
 ``SeparableConv2D`` (NASNet, Xception) becomes ``DepthwiseConv2D`` (NAME_depthwise) and a
 1x1 ``Conv2D`` (NAME_pointwise) with the same weights: TF-MOT does this split itself, but
 under generated names, so QAT's trained weights could not find their way back.
+
+A hard-swish built of layers, ``Multiply([x, Rescaling(1/6)(ReLU(6)(Rescaling(1, 3)(x)))])``
+(MobileNetV3, and edgeq's translation of Keras 3's), becomes one ``HardSwish`` layer: with a
+fake-quant on each of the four outputs the converter cannot fuse them into its HARD_SWISH.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgeq.compat import keras
+from edgeq.quantize_configs import HardSwish
 from edgeq.transforms.graph import copy_weights, rebuild
 
 _ADD = {"__operators__.add", "math.add"}
@@ -103,6 +108,59 @@ def _split_separable(layer, args, pending: list):
 _REWRITTEN = ("TFOpLambda", "SeparableConv2D")
 
 
+def _single_input(layer):
+    """The one tensor ``layer`` was called on, None when it has several or was called twice."""
+    if len(layer._inbound_nodes) != 1 or len(layer._outbound_nodes) != 1:  # noqa: SLF001
+        return None
+    x = layer.input
+    return None if isinstance(x, (list, tuple)) else x
+
+
+def _hard_swish_input(multiply) -> int | None:
+    """Which input of ``multiply`` is x when it is x * Rescaling(1/6)(ReLU(6)(Rescaling(1, 3)(x)))."""
+    if type(multiply).__name__ != "Multiply" or len(multiply._inbound_nodes) != 1:  # noqa: SLF001
+        return None
+    inputs = multiply.input
+    if not isinstance(inputs, (list, tuple)) or len(inputs) != 2:
+        return None
+    for index in (0, 1):
+        x, t = inputs[index], inputs[1 - index]
+        chain = []
+        for kind in ("Rescaling", "ReLU", "Rescaling"):
+            layer = t._keras_history.layer
+            if type(layer).__name__ != kind or _single_input(layer) is None:
+                break
+            chain.append(layer)
+            t = layer.input
+        else:
+            div6, relu6, plus3 = chain
+            if (
+                t is x
+                and abs(float(div6.scale) - 1.0 / 6.0) < 1e-6 and float(div6.offset) == 0.0
+                and float(relu6.max_value or 0.0) == 6.0 and float(relu6.threshold) == 0.0
+                and float(relu6.negative_slope) == 0.0
+                and float(plus3.scale) == 1.0 and float(plus3.offset) == 3.0
+            ):  # fmt: skip
+                return index
+    return None
+
+
+def fuse_hard_swish(model) -> tuple[object, list[Rewritten]]:
+    """A copy of ``model`` with each hard-swish built of layers made one ``HardSwish``."""
+    found = {la.name: i for la in model.layers if (i := _hard_swish_input(la)) is not None}
+    if not found:
+        return model, []
+
+    def rewrite(layer, node, args, kwargs):
+        if layer.name not in found:
+            return None
+        return HardSwish(name=layer.name)(args[0][found[layer.name]])
+
+    rebuilt, clones = rebuild(model, rewrite)
+    copy_weights(model, clones)
+    return rebuilt, [Rewritten(name, "hard_swish", "HardSwish") for name in sorted(found)]
+
+
 def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
     """A copy of ``model`` with its TF op layers made built-in layers where they can be,
     and its SeparableConv2D layers split in two.
@@ -110,7 +168,7 @@ def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
     Returns the model itself (and no rewrites) when there is nothing to rewrite.
     """
     if not any(type(layer).__name__ in _REWRITTEN for layer in model.layers):
-        return model, []
+        return fuse_hard_swish(model)
     done: list[Rewritten] = []
     pending: list = []
 
@@ -128,8 +186,9 @@ def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
 
     rebuilt, clones = rebuild(model, rewrite)
     if not done:
-        return model, []
+        return fuse_hard_swish(model)
     copy_weights(model, clones)
     for new_layer, weights in pending:
         new_layer.set_weights(weights)
-    return rebuilt, done
+    fused, swishes = fuse_hard_swish(rebuilt)
+    return fused, done + swishes
