@@ -53,7 +53,15 @@ def _kl(p: np.ndarray, q: np.ndarray) -> float:
 
 
 def _entropy_threshold(magnitudes: np.ndarray, bits: int, bins: int = 2048) -> float:
-    """The clipping threshold of |x| whose 2**bits-level histogram loses the least information (KL)."""
+    """The clipping threshold of |x| whose 2**bits-level histogram loses the least information (KL).
+
+    Exact zeros are left out (as NVIDIA's pytorch-quantization does with ``skip_zeros``): after a
+    ReLU half the values are 0, zero is exact at any range, and that spike in the first bin
+    made the search clip 4 to 8% of a trained MobileNetV2's ReLU outputs (its int8 model fell to 0 dB).
+    """
+    magnitudes = magnitudes[magnitudes > 0]
+    if magnitudes.size == 0:
+        return 1e-8
     top = float(magnitudes.max())
     if top <= 0:
         return 1e-8
