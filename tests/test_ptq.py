@@ -26,7 +26,6 @@ def test_clipping_methods_keep_ordinary_values_precise_despite_outliers(method):
     assert quantization_mse(ordinary, *chosen) < quantization_mse(ordinary, *minmax) / 10
 
 
-
 @pytest.mark.parametrize("active", [0.5, 0.15])
 def test_entropy_is_not_pulled_down_by_the_zeros_of_a_relu(active):
     """Half or more of a ReLU's outputs are exactly 0. Counted in the KL search's histogram,
@@ -37,6 +36,7 @@ def test_entropy_is_not_pulled_down_by_the_zeros_of_a_relu(active):
     lo, hi = activation_range(x, "entropy")
     assert lo == 0.0
     assert np.mean(x > hi) < 1e-3
+
 
 def test_mse_search_lowers_the_total_error_of_a_heavy_tail():
     x = np.abs(np.random.default_rng(2).laplace(0, 0.2, 200_000))
