@@ -20,7 +20,7 @@ from edgeq.quantize_configs import (
     WeightsOnlyQuantizeConfig,
 )
 from edgeq.train.layer_config import LayerPrecision
-from edgeq.transforms.tfops import replace_tf_ops
+from edgeq.transforms.tfops import fuse_hard_swish, replace_tf_ops
 
 _q = tfmot.quantization.keras
 # Public TF-MOT names only: the 8-bit and n-bit registries and layout transforms, the
@@ -294,6 +294,7 @@ def build_qat_model(model, settings: QuantSettings, only_layers: set[str] | None
     """
     _check_model_kind(model)
     model, _ = replace_tf_ops(model)
+    model, _ = fuse_hard_swish(model)  # one fake-quant, so the converter emits HARD_SWISH
     _check_layers(model, settings)
     to_quantize = layers_to_quantize(model, settings, only_layers)
 

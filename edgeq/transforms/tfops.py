@@ -12,9 +12,12 @@ run then names them).
 1x1 ``Conv2D`` (NAME_pointwise) with the same weights: TF-MOT does this split itself, but
 under generated names, so QAT's trained weights could not find their way back.
 
-A hard-swish built of layers, ``Multiply([x, Rescaling(1/6)(ReLU(6)(Rescaling(1, 3)(x)))])``
-(MobileNetV3, and edgeq's translation of Keras 3's), becomes one ``HardSwish`` layer: with a
-fake-quant on each of the four outputs the converter cannot fuse them into its HARD_SWISH.
+``fuse_hard_swish``: a hard-swish built of layers, ``Multiply([x, Rescaling(1/6)(ReLU(6)(
+Rescaling(1, 3)(x)))])`` (MobileNetV3, and edgeq's translation of Keras 3's), becomes one
+``HardSwish`` layer in the models edgeq wraps for QAT and PTQ: with a fake-quant on each of the
+four outputs the converter cannot fuse them into its HARD_SWISH. The float models edgeq saves
+keep the four built-in layers (HardSwish has no weights, so none need mapping back), and load
+without edgeq.
 """
 
 from __future__ import annotations
@@ -146,7 +149,8 @@ def _hard_swish_input(multiply) -> int | None:
 
 
 def fuse_hard_swish(model) -> tuple[object, list[Rewritten]]:
-    """A copy of ``model`` with each hard-swish built of layers made one ``HardSwish``."""
+    """A copy of ``model`` with each hard-swish built of layers made one ``HardSwish`` (named
+    as its Multiply was), or ``model`` itself when it has none."""
     found = {la.name: i for la in model.layers if (i := _hard_swish_input(la)) is not None}
     if not found:
         return model, []
@@ -168,7 +172,7 @@ def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
     Returns the model itself (and no rewrites) when there is nothing to rewrite.
     """
     if not any(type(layer).__name__ in _REWRITTEN for layer in model.layers):
-        return fuse_hard_swish(model)
+        return model, []
     done: list[Rewritten] = []
     pending: list = []
 
@@ -186,9 +190,8 @@ def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
 
     rebuilt, clones = rebuild(model, rewrite)
     if not done:
-        return fuse_hard_swish(model)
+        return model, []
     copy_weights(model, clones)
     for new_layer, weights in pending:
         new_layer.set_weights(weights)
-    fused, swishes = fuse_hard_swish(rebuilt)
-    return fused, done + swishes
+    return rebuilt, done
