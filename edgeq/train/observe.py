@@ -260,8 +260,8 @@ def initialize_ranges(
             continue
         # 16-bit activations lose nothing to outliers worth clipping: keep every value
         ranges.append(activation_range(observer.values(), method if bits <= 8 else "minmax", bits=bits))
-    # what TFLite's concatenation and pooling kernels need anyway: one range for their tensors
-    ranges = same_scale_ranges(float_model, points, ranges, unquantized_same_scale(float_model, points, x))
+    if only is None:  # what TFLite's concatenation and pooling kernels need: one range for their tensors
+        ranges = same_scale_ranges(float_model, points, ranges, unquantized_same_scale(float_model, points, x))
     done = 0
     for (low_var, high_var, _, _), (low, high) in zip(points, ranges):
         if not low < high:
