@@ -6,7 +6,7 @@ loads ``qat.h5`` with them in scope), so neither has to import the other.
 
 from __future__ import annotations
 
-from edgeq.compat import keras, tf, tfmot
+from edgeq.compat import keras, tfmot
 
 _q = tfmot.quantization.keras
 
@@ -95,25 +95,7 @@ class SameScaleQuantizeConfig(OutputQuantizeConfig):
         return []
 
 
-@keras.utils.register_keras_serializable(package="edgeq")
-class HardSwish(keras.layers.Layer):
-    """hard_swish(x) = x * ReLU6(x + 3) / 6 as one layer, so that it gets one fake-quant.
-
-    MobileNetV3 builds it from four layers (add 3, ReLU6, times 1/6, multiply by x), and a
-    fake-quant on each of their outputs keeps the converter from fusing them: 3 int8 ops
-    and 3 roundings where its own calibration gives one HARD_SWISH. This computes the
-    same thing in the form the converter fuses (edgeq.transforms.tfops makes it).
-    """
-
-    def call(self, inputs):
-        return inputs * (tf.nn.relu6(inputs + 3.0) * (1.0 / 6.0))
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-
 CUSTOM_OBJECTS = {
-    "HardSwish": HardSwish,
     "SameScaleQuantizeConfig": SameScaleQuantizeConfig,
     "WeightsOnlyQuantizeConfig": WeightsOnlyQuantizeConfig,
     "OutputQuantizeConfig": OutputQuantizeConfig,

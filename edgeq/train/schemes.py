@@ -20,7 +20,7 @@ from edgeq.quantize_configs import (
     WeightsOnlyQuantizeConfig,
 )
 from edgeq.train.layer_config import LayerPrecision
-from edgeq.transforms.tfops import fuse_hard_swish, replace_tf_ops
+from edgeq.transforms.tfops import replace_tf_ops
 
 _q = tfmot.quantization.keras
 # Public TF-MOT names only: the 8-bit and n-bit registries and layout transforms, the
@@ -108,7 +108,6 @@ _WEIGHTED = ("Conv2D", "DepthwiseConv2D", "Dense")
 # Layers TF-MOT has no config for, whose TFLite ops have int8 kernels and need only their
 # output range: edgeq quantizes their output (quantize_configs.OutputQuantizeConfig).
 _OUTPUT_ONLY = (
-    "HardSwish",  # edgeq's, quantize_configs.HardSwish
     "TFOpLambda",
     "Multiply",
     "Rescaling",
@@ -258,9 +257,7 @@ def _check_layers(model, settings: QuantSettings) -> None:
             problems.append(f"{layer.name!r} (Lambda: a Python function TF-MOT cannot clone)")
         elif kind == "TFOpLambda":
             problems.append(f"{layer.name!r} (TF op {getattr(layer, 'symbol', '?')})")
-        elif not type(layer).__module__.startswith(("tf_keras.", "keras.", "tensorflow_model_optimization.")) and (
-            type(layer) not in CUSTOM_OBJECTS.values()
-        ):
+        elif not type(layer).__module__.startswith(("tf_keras.", "keras.", "tensorflow_model_optimization.")):
             problems.append(f"{layer.name!r} ({kind}: a custom layer)")
         elif kind != "Activation" and callable(getattr(layer, "activation", None)):
             name = getattr(layer.activation, "__name__", type(layer.activation).__name__)
@@ -294,7 +291,6 @@ def build_qat_model(model, settings: QuantSettings, only_layers: set[str] | None
     """
     _check_model_kind(model)
     model, _ = replace_tf_ops(model)
-    model, _ = fuse_hard_swish(model)  # one fake-quant, so the converter emits HARD_SWISH
     _check_layers(model, settings)
     to_quantize = layers_to_quantize(model, settings, only_layers)
 

@@ -11,13 +11,6 @@ run then names them).
 ``SeparableConv2D`` (NASNet, Xception) becomes ``DepthwiseConv2D`` (NAME_depthwise) and a
 1x1 ``Conv2D`` (NAME_pointwise) with the same weights: TF-MOT does this split itself, but
 under generated names, so QAT's trained weights could not find their way back.
-
-``fuse_hard_swish``: a hard-swish built of layers, ``Multiply([x, Rescaling(1/6)(ReLU(6)(
-Rescaling(1, 3)(x)))])`` (MobileNetV3, and edgeq's translation of Keras 3's), becomes one
-``HardSwish`` layer in the models edgeq wraps for QAT and PTQ: with a fake-quant on each of the
-four outputs the converter cannot fuse them into its HARD_SWISH. The float models edgeq saves
-keep the four built-in layers (HardSwish has no weights, so none need mapping back), and load
-without edgeq.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgeq.compat import keras
-from edgeq.quantize_configs import HardSwish
 from edgeq.transforms.graph import copy_weights, rebuild
 
 _ADD = {"__operators__.add", "math.add"}
@@ -109,60 +101,6 @@ def _split_separable(layer, args, pending: list):
 
 
 _REWRITTEN = ("TFOpLambda", "SeparableConv2D")
-
-
-def _single_input(layer):
-    """The one tensor ``layer`` was called on, None when it has several or was called twice."""
-    if len(layer._inbound_nodes) != 1 or len(layer._outbound_nodes) != 1:  # noqa: SLF001
-        return None
-    x = layer.input
-    return None if isinstance(x, (list, tuple)) else x
-
-
-def _hard_swish_input(multiply) -> int | None:
-    """Which input of ``multiply`` is x when it is x * Rescaling(1/6)(ReLU(6)(Rescaling(1, 3)(x)))."""
-    if type(multiply).__name__ != "Multiply" or len(multiply._inbound_nodes) != 1:  # noqa: SLF001
-        return None
-    inputs = multiply.input
-    if not isinstance(inputs, (list, tuple)) or len(inputs) != 2:
-        return None
-    for index in (0, 1):
-        x, t = inputs[index], inputs[1 - index]
-        chain = []
-        for kind in ("Rescaling", "ReLU", "Rescaling"):
-            layer = t._keras_history.layer
-            if type(layer).__name__ != kind or _single_input(layer) is None:
-                break
-            chain.append(layer)
-            t = layer.input
-        else:
-            div6, relu6, plus3 = chain
-            if (
-                t is x
-                and abs(float(div6.scale) - 1.0 / 6.0) < 1e-6 and float(div6.offset) == 0.0
-                and float(relu6.max_value or 0.0) == 6.0 and float(relu6.threshold) == 0.0
-                and float(relu6.negative_slope) == 0.0
-                and float(plus3.scale) == 1.0 and float(plus3.offset) == 3.0
-            ):  # fmt: skip
-                return index
-    return None
-
-
-def fuse_hard_swish(model) -> tuple[object, list[Rewritten]]:
-    """A copy of ``model`` with each hard-swish built of layers made one ``HardSwish`` (named
-    as its Multiply was), or ``model`` itself when it has none."""
-    found = {la.name: i for la in model.layers if (i := _hard_swish_input(la)) is not None}
-    if not found:
-        return model, []
-
-    def rewrite(layer, node, args, kwargs):
-        if layer.name not in found:
-            return None
-        return HardSwish(name=layer.name)(args[0][found[layer.name]])
-
-    rebuilt, clones = rebuild(model, rewrite)
-    copy_weights(model, clones)
-    return rebuilt, [Rewritten(name, "hard_swish", "HardSwish") for name in sorted(found)]
 
 
 def replace_tf_ops(model) -> tuple[object, list[Rewritten]]:
