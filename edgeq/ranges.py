@@ -63,8 +63,6 @@ def _entropy_threshold(magnitudes: np.ndarray, bits: int, bins: int = 2048) -> f
     if magnitudes.size == 0:
         return 1e-8
     top = float(magnitudes.max())
-    if top <= 0:
-        return 1e-8
     hist, edges = np.histogram(magnitudes, bins=bins, range=(0.0, top))
     hist = hist.astype(np.float64)
     levels = 2 ** (bits - 1) if bits > 1 else 2
