@@ -30,7 +30,7 @@ from edgeq.train.observe import (
     unquantized_same_scale,
 )
 from edgeq.transforms.adaround import ADAROUND_LAYERS, kernel_name
-from edgeq.transforms.fold import fold_batchnorm, fold_offsets
+from edgeq.transforms.fold import fold_batchnorm
 from edgeq.transforms.tfops import replace_tf_ops
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,6 @@ class RangeCalibration:
         fold: bool = False,
     ):
         float_model, _ = replace_tf_ops(float_model)
-        float_model = fold_offsets(float_model)  # as the converter does: conv(x) + 3 is one tensor
         # The converter's own BN fold is wrong after per-tensor fake-quant (see transforms.fold),
         # and it would requantize weights whose rounding edgeq chose: fold first for both.
         if per_tensor or fold:

@@ -486,24 +486,17 @@ def _mobilenet_v3_like():
     return keras.Model(inp, layers.Dense(10)(layers.GlobalAveragePooling2D()(y)))
 
 
-def test_the_se_gates_plus_3_folds_into_its_conv_and_hard_swish_stays_in_one_xnnpack_partition(tmp_path):
-    """MobileNetV3's SE gate is ReLU6(conv(x) + 3) / 6. The converter folds the 3 into the conv's
-    bias and the ReLU6 into the conv; with fake-quants on the conv's output and on the sum it could
-    do neither (an ADD more, and a rounding more, per gate). edgeq folds the 3 first. Hard-swish
-    itself stays ADD/MUL: the converter's fused int8 HARD_SWISH has no XNNPACK kernel here, so its
-    MobileNetV3Small runs in 20 partitions and 1.6x slower than edgeq's in one."""
+def test_hard_swish_stays_add_mul_so_xnnpack_runs_the_model_in_one_partition(tmp_path):
+    """The converter fuses hard-swish into HARD_SWISH, which this LiteRT's XNNPACK has no int8
+    kernel for: its MobileNetV3Small runs in 20 delegate partitions, 1.6x slower than edgeq's,
+    whose fake-quants keep hard-swish as ADD/MUL, all in one partition (same SQNR). A change
+    that fuses it (tried: one Keras layer, one fake-quant) fails here."""
     from ai_edge_litert.interpreter import Interpreter
 
     from edgeq.convert import ConvertOptions, convert
-    from edgeq.transforms.fold import fold_offsets
-    from edgeq.transforms.tfops import replace_tf_ops
 
     model = _mobilenet_v3_like()
     samples = np.random.default_rng(0).normal(0, 1, (300, 16, 16, 3)).astype(np.float32)
-    rewritten, _ = replace_tf_ops(model)
-    folded = fold_offsets(rewritten)
-    assert len(folded.layers) == len(rewritten.layers) - 1  # the gate's Rescaling(1, 3); hard-swish's + 3 stays
-    assert np.max(np.abs(folded.predict(samples[:8], verbose=0) - model.predict(samples[:8], verbose=0))) < 1e-5
     path = tmp_path / "mnv3_like.keras"
     model.save(path)
     calib = tmp_path / "calib.npz"
@@ -516,7 +509,6 @@ def test_the_se_gates_plus_3_folds_into_its_conv_and_hard_swish_stays_in_one_xnn
         interpreter = Interpreter(str(out))  # LiteRT's default CPU delegate, XNNPACK
         interpreter.allocate_tensors()
         partitions[ptq] = [op["op_name"] for op in interpreter._get_ops_details()].count("DELEGATE")  # noqa: SLF001
-    assert ops["converter"].count("HARD_SWISH") == 2 and "ADD" not in ops["converter"]
+    assert ops["converter"].count("HARD_SWISH") == 2
     assert "HARD_SWISH" not in ops["minmax"]
-    assert ops["minmax"].count("ADD") == 2  # one per hard-swish: none for the gate
     assert partitions["minmax"] == 1 < partitions["converter"]

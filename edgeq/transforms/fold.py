@@ -102,37 +102,3 @@ def fold_batchnorm(model):
     unchanged in structure when there is nothing to fold.
     """
     return _fold(model, foldable_pairs(model), _folded_weights)
-
-
-def _offset_pairs(model) -> dict[str, str]:
-    """{Rescaling name: producer name} for each scalar Rescaling right after a Conv/Dense that takes a fold."""
-    pairs = {}
-    for layer in model.layers:
-        if type(layer).__name__ != "Rescaling" or len(layer._inbound_nodes) != 1:  # noqa: SLF001
-            continue
-        producer = layer.input._keras_history.layer
-        if not np.ndim(layer.scale) and not np.ndim(layer.offset) and _takes_a_fold(producer):
-            pairs[layer.name] = producer.name
-    return pairs
-
-
-def _offset_weights(producer, rescaling):
-    """Kernel times s, bias times s plus o: Rescaling(s, o) of the producer's output."""
-    weights = producer.get_weights()
-    kernel = weights[0]
-    out_shape = kernel.shape[2:] if type(producer).__name__ == "DepthwiseConv2D" else kernel.shape[-1:]
-    bias = weights[1] if producer.use_bias else np.zeros(int(np.prod(out_shape)), kernel.dtype)
-    s, o = float(rescaling.scale), float(rescaling.offset)
-    return [(kernel * s).astype(np.float32), (bias * s + o).astype(np.float32)]
-
-
-def fold_offsets(model):
-    """A new functional model with each ``Rescaling(s, o)`` that follows a Conv/Dense folded
-    into its kernel (times s) and bias (times s, plus o).
-
-    MobileNetV3's hard-sigmoid is ``ReLU6(conv(x) + 3) / 6``: the converter folds the 3 into the
-    conv's bias and the ReLU6 into the conv, so the conv's output is quantized once. With
-    a fake-quant on the conv's output and another on the sum, it could do neither. Outputs
-    match the original to float rounding. Returns the model itself when there is nothing to fold.
-    """
-    return _fold(model, _offset_pairs(model), _offset_weights)
