@@ -37,45 +37,17 @@ def foldable_pairs(model) -> dict[str, str]:
         producer = producers[0]
         axis = list(np.atleast_1d(layer.axis))
         rank = len(layer.input_shape)
-        if axis in ([-1], [rank - 1]) and _takes_a_fold(producer):
-            pairs[layer.name] = producer.name
+        if type(producer).__name__ not in _FOLDABLE or axis not in ([-1], [rank - 1]):
+            continue
+        if len(producer._inbound_nodes) != 1:  # noqa: SLF001 - a shared conv: its other uses have no BN
+            continue
+        if len(producer._outbound_nodes) != 1 or getattr(producer, "activation", None) not in (  # noqa: SLF001
+            None,
+            keras.activations.linear,
+        ):
+            continue
+        pairs[layer.name] = producer.name
     return pairs
-
-
-def _takes_a_fold(producer) -> bool:
-    """Whether the layer after ``producer`` can fold into it: a Conv/Dense called once (a shared
-    conv's other uses have nothing to fold), read by one layer, with a linear activation."""
-    return (
-        type(producer).__name__ in _FOLDABLE
-        and len(producer._inbound_nodes) == 1  # noqa: SLF001
-        and len(producer._outbound_nodes) == 1  # noqa: SLF001
-        and getattr(producer, "activation", None) in (None, keras.activations.linear)
-    )
-
-
-def _fold(model, pairs: dict[str, str], folded_weights):
-    """A new functional model without the layers ``pairs`` names ({layer: the producer it folds
-    into}); each producer gets a bias and ``folded_weights(producer, layer)``."""
-    if not pairs:
-        return model
-    by_name = {layer.name: layer for layer in model.layers}
-    follower_of = {producer: layer for layer, producer in pairs.items()}
-    clones_with_bias: dict[str, object] = {}
-
-    def rewrite(layer, node, args, kwargs):
-        if layer.name in pairs:  # the folded layer: its output is the producer's output now
-            return args[0]
-        if layer.name in follower_of:
-            config = {**layer.get_config(), "use_bias": True}
-            clone = clones_with_bias[layer.name] = layer.__class__.from_config(config)
-            return clone(*args, **kwargs)
-        return None
-
-    folded, clones = rebuild(model, rewrite)
-    clones.update(clones_with_bias)
-    overrides = {name: folded_weights(by_name[name], by_name[follower]) for name, follower in follower_of.items()}
-    copy_weights(model, clones, overrides)
-    return folded
 
 
 def _folded_weights(producer, bn):
@@ -101,4 +73,28 @@ def fold_batchnorm(model):
     Outputs match the original to float rounding (inference mode). Returns the model
     unchanged in structure when there is nothing to fold.
     """
-    return _fold(model, foldable_pairs(model), _folded_weights)
+    pairs = foldable_pairs(model)
+    if not pairs:
+        return model
+    producers = set(pairs.values())
+    by_name = {layer.name: layer for layer in model.layers}
+    folded_bn_of = {producer: bn for bn, producer in pairs.items()}
+
+    def rewrite(layer, node, args, kwargs):
+        if layer.name in pairs:  # BN: its output is the folded producer's output
+            return args[0]
+        if layer.name in producers:
+            config = {**layer.get_config(), "use_bias": True}
+            clone = clones_with_bias[layer.name] = layer.__class__.from_config(config)
+            return clone(*args, **kwargs)
+        return None
+
+    clones_with_bias: dict[str, object] = {}
+    folded, clones = rebuild(model, rewrite)
+    clones.update(clones_with_bias)
+    copy_weights(
+        model,
+        clones,
+        {name: _folded_weights(by_name[name], by_name[folded_bn_of[name]]) for name in producers},
+    )
+    return folded
