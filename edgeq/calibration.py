@@ -22,6 +22,7 @@ from edgeq.ranges import ACTIVATION_METHODS, activation_range
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.shims.litert import ops_details
 from edgeq.shims.tflite import (
+    debugger_keeping_every_tensor,
     disable_per_channel,
     keras_converter,
     native_output_silenced,
@@ -175,6 +176,7 @@ def calibrate(
         )
         with native_output_silenced():
             debugger.options = options  # its debug model is re-quantized from the new ranges
+    debugger_keeping_every_tensor(debugger)  # after any re-quantization, which makes its interpreter again
     # Nodes are named as denylisted_nodes wants them: the output tensors of the
     # calibrated model's ops, in graph order.
     graph = TFLiteModel(model_content=debugger.calibrated_model, use_default_delegates=False, verify=False)

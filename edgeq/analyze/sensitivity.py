@@ -23,7 +23,7 @@ import numpy as np
 
 from edgeq.calibration import Calibrated, calibrate, predict
 from edgeq.errors import UsageError
-from edgeq.shims.tflite import debugger_keeping_every_tensor, native_output_silenced
+from edgeq.shims.tflite import native_output_silenced
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,6 @@ def _node_for_debug_tensor(name: str, nodes: list[str]) -> str | None:
 
 
 def fast_sensitivity(cal: Calibrated) -> list[FastSensitivity]:
-    debugger_keeping_every_tensor(cal.debugger)
     with native_output_silenced():  # the interpreter's XNNPACK notice, numpy's cast warnings
         cal.debugger.run()
     stats = cal.debugger.layer_statistics
