@@ -138,6 +138,8 @@ def test_plan_meets_the_budget_and_keeps_every_other_layer_integer(cli, outlier_
     saved = json.loads(plan.read_text())
     assert saved["met"] and saved["drop_pp"] <= 0.5
     kept_float = set(saved["layers"])
+    # full INT8 missed the budget: every layer was ranked, and the float ones came first
+    assert len(saved["ranking"]) >= 4 and set(saved["ranking"][: len(kept_float)]) == kept_float, saved["ranking"]
     assert "conv1" in kept_float and kept_float <= {"conv1", "conv2"}
     assert len(saved["frontier"]) >= 2 and (tmp_path / "frontier.png").is_file()
     shown = cli("report", plan, "--out", tmp_path / "plan.html")  # the plan's section of `edgeq report`

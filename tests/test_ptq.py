@@ -368,7 +368,10 @@ def test_plan_records_its_ranges_and_convert_plan_uses_them(cli, digits_run, tmp
     args = ("--data", "digits", "--max-drop", "5", "--out", plan, "--calib-samples", "64", "--ranges", "percentile")
     result = cli("analyze", "plan", digits_run.fp32_model, *args)
     assert result.exit_code == 0, result.output
-    assert json.loads(plan.read_text())["ranges"] == "percentile"
+    saved = json.loads(plan.read_text())
+    assert saved["ranges"] == "percentile"
+    # full INT8 is within 5 pp on digits: no layer needs ranking, and none was ranked
+    assert saved["met"] and saved["layers"] == {} and saved["ranking"] == [] and len(saved["frontier"]) == 1, saved
     out = tmp_path / "planned.tflite"
     args = ("--int8", "--plan", plan, "--calib", "digits", "--calib-samples", "64", "--out", out)
     result = cli("convert", digits_run.fp32_model, *args)
