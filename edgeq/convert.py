@@ -339,6 +339,14 @@ class ConvertOptions:
             )
         if self.plan and spec.mode != Mode.INT8:
             raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
+        if self.bias_correct and (self.weight_ranges != "minmax" or self.rounding != "nearest"):
+            # The correction is (W_q - W) E[x] for the weights the converter would store: min/max
+            # per-channel scales, rounded to nearest. Other weights would get the wrong shift.
+            raise UsageError(
+                "--bias-correct corrects for min/max weights rounded to nearest, but --weight-ranges "
+                f"{self.weight_ranges} --rounding {self.rounding} deploys other weights: drop --bias-correct "
+                "(AdaRound already corrects the layer outputs) or use --weight-ranges minmax --rounding nearest"
+            )
 
     @property
     def spec(self) -> ModeSpec:

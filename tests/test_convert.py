@@ -168,3 +168,13 @@ def test_a_model_that_rescales_raw_pixels_given_normalised_data_is_told_so(tmp_p
     assert len(hints) == int(rescale)
     if rescale:
         assert "'pixels'" in hints[0] and "include_preprocessing=False" in hints[0]
+
+
+@pytest.mark.parametrize("option", [{"weight_ranges": "mse"}, {"rounding": "stochastic"}, {"rounding": "adaround"}])
+def test_bias_correction_is_refused_for_weights_it_does_not_correct(option):
+    """--bias-correct subtracts (W_q - W) E[x] for min/max scales rounded to nearest; with other
+    deployed weights the shift would be wrong, so the combination is refused before any work."""
+    with pytest.raises(UsageError, match="--bias-correct corrects for min/max weights rounded to nearest"):
+        ConvertOptions(mode="int8-only", bias_correct=True, **option)
+    ConvertOptions(mode="int8-only", **option)  # each alone is fine
+    ConvertOptions(mode="int8-only", bias_correct=True)
