@@ -181,7 +181,7 @@ def _input_rescaling_hint(keras_model, dataset, samples: int) -> str | None:
 
 def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_qat: bool, notes: list):
     """Calibration samples: --calib, else the data the model was trained on (run.json)."""
-    from edgeq.model_io import run_record_for
+    from edgeq.model_io import recorded_normalization, run_record_for
 
     record = run_record_for(source_path) if source_path else None
     spec = calib
@@ -191,7 +191,7 @@ def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_q
         return None, None
     if not calib:
         notes.append(f"calibration/verification data taken from the training run: {spec}")
-    normalization = _recorded_normalization(record)
+    normalization = recorded_normalization(source_path)
     # raw files in the units the model was trained in; float files checked against them
     dataset = load_dataset(spec, tuple(model_input_shape), labels_required=False, normalization=normalization)
     dataset.check_fits(tuple(model_input_shape), where=f"model {source_path}")
@@ -475,9 +475,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     if dataset is not None:
         normalization = dataset.normalization
     else:
-        from edgeq.model_io import run_record_for
+        from edgeq.model_io import recorded_normalization
 
-        normalization = _recorded_normalization(run_record_for(source_path) if source_path else None) or Normalization()
+        normalization = recorded_normalization(source_path) or Normalization()
     manifest = {
         "kind": "edgeq.convert",
         "model": out.name,
@@ -751,12 +751,6 @@ def _plan_resolved(keras_model, plan) -> dict:
 
 def _plan_float_layers(keras_model, plan) -> list[str]:
     return [name for name, p in _plan_resolved(keras_model, plan).items() if p.keep_float]
-
-
-def _recorded_normalization(record: dict | None) -> Normalization | None:
-    """The normalisation a training run's run.json recorded, if any."""
-    recorded = (record or {}).get("normalization")
-    return Normalization.from_dict(recorded) if isinstance(recorded, dict) else None
 
 
 def _plan_ranges(plan, ptq: str) -> str:

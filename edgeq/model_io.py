@@ -106,3 +106,15 @@ def run_record_for(model_path: str | Path) -> dict | None:
         except ValueError:
             return None
     return None
+
+
+def recorded_normalization(model_path: str | Path | None):
+    """The input normalisation the training run of ``model_path`` recorded (run.json); None without one.
+
+    Every command that reads data for a model it did not train (convert, analyze) reads raw
+    files in these units, as eval and profile do from a conversion's manifest.
+    """
+    from edgeq.data import Normalization
+
+    recorded = (run_record_for(model_path) or {}).get("normalization") if model_path else None
+    return Normalization.from_dict(recorded) if isinstance(recorded, dict) else None

@@ -365,3 +365,16 @@ def test_analyze_weights_reports_the_error_of_each_rounding(cli, digits_run, tmp
         assert m["stochastic"]["output_mse"] > m["nearest"]["output_mse"], name
         assert m["nearest"]["flipped"] == 0.0 and m["stochastic"]["flipped"] > 0
     assert any(m["adaround"]["output_mse"] < 0.9 * m["nearest"]["output_mse"] for m in by.values())
+
+
+def test_analyze_reads_raw_data_in_the_units_the_model_was_trained_in(digits_run, tmp_path):
+    """A raw uint8 .npz of the digits (0..16) for a digits model: analyze scales it by the 1/16
+    its run.json records, as convert and eval do (it took 1/255 before, 16x too small)."""
+    from sklearn.datasets import load_digits
+
+    from edgeq.analyze.sensitivity import load_fp32_with_data
+
+    bunch = load_digits()
+    np.savez(tmp_path / "raw.npz", x=bunch.images.astype(np.uint8), y=bunch.target)
+    _, raw = load_fp32_with_data(digits_run.fp32_model, f"npz:{tmp_path / 'raw.npz'}", "analyze")
+    np.testing.assert_allclose(raw.x_test, load_dataset("digits").x_test, rtol=0, atol=1e-7)

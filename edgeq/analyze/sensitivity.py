@@ -147,14 +147,15 @@ def exact_sensitivity(cal: Calibrated, x: np.ndarray, y: np.ndarray, progress=No
 def load_fp32_with_data(model_path, data: str, verb: str):
     """The FP32 Keras model and a dataset that fits its input; a QAT model is refused."""
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_tf_keras_model
+    from edgeq.model_io import load_tf_keras_model, recorded_normalization
     from edgeq.train.schemes import is_qat_model
 
     model = load_tf_keras_model(model_path)
     if is_qat_model(model):
         raise UsageError(f"{model_path} is a QAT model; {verb} the FP32 model it was trained from")
     input_shape = tuple(model.input_shape[1:])
-    dataset = load_dataset(data, input_shape=input_shape)
+    # raw files in the units the model was trained in (run.json), as convert and eval read them
+    dataset = load_dataset(data, input_shape=input_shape, normalization=recorded_normalization(model_path))
     dataset.check_fits(input_shape, where=f"model {model_path}")
     return model, dataset
 
