@@ -521,3 +521,20 @@ def test_hard_swish_stays_add_mul_so_xnnpack_runs_the_model_in_one_partition(tmp
     assert ops["converter"].count("HARD_SWISH") == 2
     assert "HARD_SWISH" not in ops["minmax"]
     assert partitions["minmax"] == 1 < partitions["converter"]
+
+
+def test_the_range_observer_keeps_a_uniform_sample_in_bounded_memory(monkeypatch):
+    """Calibration adds one sample at a time: 400 adds of 1,000 values with a cap of 2,000.
+    The sample stays at the cap, and each add's share of it is its share of the values seen
+    (the old one grew by 1/8 of each add past the cap, and kept the first adds 8x as often)."""
+    from edgeq.train import observe
+
+    monkeypatch.setattr(observe, "_SAMPLE_CAP", 2000)
+    observer = observe.Observer(np.random.default_rng(0))
+    for batch in range(400):
+        observer.add(np.full(1000, batch, dtype=np.float32) + np.linspace(0, 0.5, 1000, dtype=np.float32))
+    values = observer.values()
+    assert len(values) <= 2000 + 2  # the cap, plus the exact min and max when sampled away
+    assert values.min() == 0.0 and values.max() == np.float32(399.5)
+    share_first = np.mean(np.floor(values) < 40)  # the first tenth of the adds
+    assert 0.07 < share_first < 0.13, share_first
