@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from edgeq.artifacts import provenance, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
-from edgeq.data import DEFAULT_CALIBRATION_SAMPLES, Dataset, Normalization, load_dataset
+from edgeq.data import DEFAULT_CALIBRATION_SAMPLES, Dataset, HeldOut, Normalization, load_dataset
 from edgeq.errors import ConversionError, DataError, IntegerOnlyError, UsageError
 from edgeq.metrics import compare_outputs
 from edgeq.numerics import ROUNDINGS
@@ -106,6 +106,7 @@ INT4_GRANULARITIES = {
 }
 
 FLOAT_DTYPES = {"float32", "float16", "float64"}
+VERIFY_SAMPLES = 200  # held-out samples verification compares on (and a --ptq search chooses on)
 
 # --ptq: who chooses the ranges of integer post-training quantization. "converter" is the
 # TFLite converter's own min/max calibration; the others are edgeq's (edgeq.ptq), set into
@@ -130,6 +131,7 @@ class Verification:
     float_ops: tuple[str, ...]
     integer_only: bool
     passed: bool
+    classes: int | None = None  # classes among the samples (None: unlabelled or not class ids)
 
 
 @dataclass(frozen=True)
@@ -337,8 +339,6 @@ class ConvertOptions:
                 f"--rounding {self.rounding} rounds the weights of edgeq's integer PTQ: use it with --int8 or "
                 "--int8-only and --ptq auto|minmax|percentile|mse|entropy (not converter, --plan or --int16x8)"
             )
-        if self.plan and spec.mode != Mode.INT8:
-            raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
         if self.bias_correct and (self.weight_ranges != "minmax" or self.rounding != "nearest"):
             # The correction is (W_q - W) E[x] for the weights the converter would store: min/max
             # per-channel scales, rounded to nearest. Other weights would get the wrong shift.
@@ -347,6 +347,8 @@ class ConvertOptions:
                 f"{self.weight_ranges} --rounding {self.rounding} deploys other weights: drop --bias-correct "
                 "(AdaRound already corrects the layer outputs) or use --weight-ranges minmax --rounding nearest"
             )
+        if self.plan and spec.mode != Mode.INT8:
+            raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
 
     @property
     def spec(self) -> ModeSpec:
@@ -437,6 +439,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     if dataset is not None and dataset.count("train") == 0:
         raise DataError(f"calibration data {data_spec!r} is empty")
 
+    searching = spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter"
+    # Held-out samples: a --ptq search chooses on one part, verification gates on another.
+    held = dataset.held_out(VERIFY_SAMPLES, select=VERIFY_SAMPLES if searching and not plan else 0) if dataset else None
     started = time.perf_counter()
     ptq_record = None
     try:
@@ -446,8 +451,10 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             ptq_record = {"requested": options.ptq, "chosen": ranges, "plan": str(plan), "candidates": []}
         elif spec.backend == "aeq":
             flatbuffer = _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
-        elif spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter":
-            flatbuffer, ptq_record = _convert_searching_ranges(keras_model, reference_model, spec, dataset, options)
+        elif searching:
+            flatbuffer, ptq_record = _convert_searching_ranges(
+                keras_model, reference_model, spec, dataset, options, held
+            )
             notes.append(ptq_record.pop("note"))
         else:
             flatbuffer, fused = _convert_tflite(keras_model, spec, dataset, options, is_qat)
@@ -464,7 +471,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
     try:
         verification = _verify(
-            tflite, reference_model, spec, dataset, data_spec, calib_samples, io_type, source_name, options.min_sqnr_db
+            tflite, reference_model, spec, held, data_spec, io_type, source_name, options.min_sqnr_db
         )
     except ConversionError as exc:
         if hint:  # the likeliest cause of a failed verification, said in the same line
@@ -508,6 +515,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             "ptq": options.ptq if spec.calibrate and not is_qat else None,
         },
         "calibration_data_sha256": dataset.fingerprint() if dataset is not None else None,
+        "calibration_samples": _calibration_record(dataset, calib_samples) if spec.calibrate else None,
         "ptq": ptq_record,
         "ops": op_counts,
         "verification": asdict(verification),
@@ -547,14 +555,17 @@ def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOption
     return fuse_requantize(flatbuffer) if spec.integer_only else (flatbuffer, 0)
 
 
-def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, dataset, options: ConvertOptions):
+def _convert_searching_ranges(
+    keras_model, reference_model, spec: ModeSpec, dataset, options: ConvertOptions, held: HeldOut
+):
     """Integer PTQ by each --ptq candidate; the best by SQNR against FP32 on held-out samples.
 
     The converter's candidate is a real conversion, measured in LiteRT. edgeq's range methods
     share one calibration pass and are each scored in the fake-quant model (TF-MOT's
     simulation of the int8 graph), which costs an inference, not a conversion; only the best
     of them is converted and measured in LiteRT. The result kept is the better of the two
-    real ones, so ``auto`` is never worse than the converter on the samples checked.
+    real ones, so ``auto`` is never worse than the converter on the samples checked. Those
+    samples (``held.x_select``) are disjoint from the ones verification then gates and records.
     Returns the flatbuffer and the manifest's record of every candidate (and a note).
     """
     from edgeq.model_io import as_tf_keras
@@ -567,7 +578,7 @@ def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, data
     rounding = options.rounding
     if rounding != "nearest":  # the converter rounds to nearest: only edgeq's candidates round otherwise
         methods = tuple(m for m in methods if m != "converter")
-    x_check, split = dataset.verification_samples(200)
+    x_check, split = held.x_select, held.split
     reference = reference_model.predict(x_check, batch_size=64, verbose=0)
     candidates, best = [], None
 
@@ -638,7 +649,8 @@ def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, data
         )
     tried = ", ".join(_described(c) for c in candidates)
     note = (
-        f"--ptq {options.ptq}: {best[0]} ranges chosen by SQNR vs FP32 on {len(x_check)} {split} samples ({tried}"
+        f"--ptq {options.ptq}: {best[0]} ranges chosen by SQNR vs FP32 on {len(x_check)} {split} samples, "
+        f"not those verification uses ({tried}"
         f"{'; stopped at the target ' + format(target, '.1f') + ' dB' if stopped and ours else ''})"
     )
     rounding_record = {"method": "nearest", "seed": None, "layers": []}
@@ -657,10 +669,24 @@ def _convert_searching_ranges(keras_model, reference_model, spec: ModeSpec, data
         "weight_ranges": options.weight_ranges,
         "rounding": rounding_record,
         "checked_on": f"{len(x_check)} {split} samples",
+        "checked_on_classes": held.classes_select,
         "candidates": candidates,
         "note": note,
     }
     return best[2], record
+
+
+def _calibration_record(dataset: Dataset, n: int) -> dict:
+    """Which train samples calibration drew: how many, and how many classes they cover."""
+    from edgeq.data import classes_covered
+
+    indices = dataset.calibration_indices(n)
+    return {
+        "split": "train",
+        "samples": len(indices),
+        "classes": classes_covered(dataset.labels("train"), indices),
+        "draw": "stratified by class, seed 0",
+    }
 
 
 def _candidate(method: str, cmp, start: float) -> dict:
@@ -870,7 +896,7 @@ def _edgetpu(path: Path, flatbuffer: bytes, notes: list[str]) -> dict:
     return result
 
 
-def _verify(tflite, keras_model, spec, dataset, data_spec, samples, io_type, source_name, min_sqnr_db) -> Verification:
+def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db) -> Verification:
     expected_io = io_type if spec.integer_io else "float32"
     for kind, tensor in (("input", tflite.input), ("output", tflite.output)):
         if tensor.dtype != expected_io:
@@ -884,9 +910,14 @@ def _verify(tflite, keras_model, spec, dataset, data_spec, samples, io_type, sou
             f"{source_name}: not integer-only: {len(floats)} op(s) still run in float: {', '.join(floats[:12])}"
             f"{' ...' if len(floats) > 12 else ''}; replace those ops or convert with --int8 (float fallback)"
         )
-    if dataset is not None:
-        x, split = dataset.verification_samples(200)
-        source = f"{split} samples of {data_spec} (calibration uses train)"
+    classes = None
+    if held is not None:
+        x, classes = held.x, held.classes
+        source = f"{held.split} samples of {data_spec} (calibration uses train)"
+        if held.x_select is not None:
+            source += f"; the --ptq choice used {len(held.x_select)} others"
+        if classes is not None:
+            source += f"; {classes} of {held.classes_in_split} classes"
     else:
         rng = np.random.default_rng(0)
         x = rng.uniform(0.0, 1.0, size=(32,) + tuple(tflite.input.shape[1:])).astype(np.float32)
@@ -911,6 +942,7 @@ def _verify(tflite, keras_model, spec, dataset, data_spec, samples, io_type, sou
         float_ops=tuple(floats),
         integer_only=not floats,
         passed=passed,
+        classes=classes,
     )
     if not passed:
         raise ConversionError(

@@ -27,6 +27,68 @@ DEFAULT_CALIBRATION_SAMPLES = 200
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 
 
+def _class_ids(labels) -> np.ndarray | None:
+    """``labels`` as class ids (N,), or None when they are not (float targets, several columns)."""
+    y = np.asarray(labels)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        return None
+    return y
+
+
+def spread_order(labels, seed: int = 0) -> np.ndarray:
+    """A seeded order of ``range(len(labels))`` whose every prefix holds each class in proportion.
+
+    Each class is shuffled and its k-th sample placed at (k + u) / n_class; sorting by that
+    position interleaves the classes. Splits are sorted by file or label order (an image folder
+    lists class by class), so the first N samples of a split may hold one or two classes only.
+    Labels that are not class ids give a plain seeded permutation.
+    """
+    rng = np.random.default_rng(seed)
+    y = _class_ids(labels)
+    n = len(labels)
+    if y is None:
+        return rng.permutation(n)
+    position = np.empty(n, dtype=np.float64)
+    for cls in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == cls))
+        position[idx] = (np.arange(len(idx)) + rng.random(len(idx))) / len(idx)
+    return np.argsort(position, kind="stable")
+
+
+def alternate_halves(labels, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``order`` (from ``spread_order``) dealt into two disjoint halves, each class's samples
+    alternately to one and the other, so both halves stay stratified, in that order."""
+    y = _class_ids(labels)
+    if y is None:
+        return order[0::2], order[1::2]
+    rank = np.empty(len(order), dtype=np.int64)
+    ordered = y[order]
+    for cls in np.unique(ordered):
+        at = np.flatnonzero(ordered == cls)
+        rank[at] = np.arange(len(at))
+    return order[rank % 2 == 0], order[rank % 2 == 1]
+
+
+def classes_covered(labels, indices) -> int | None:
+    """How many classes the samples at ``indices`` hold (None for labels that are not class ids)."""
+    y = _class_ids(labels)
+    return None if y is None else len(np.unique(y[np.asarray(indices, dtype=np.int64)]))
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Held-out samples: ``x`` to verify on, and ``x_select`` (disjoint) to choose candidates on."""
+
+    split: str
+    x: np.ndarray
+    x_select: np.ndarray | None
+    classes: int | None  # classes among x (None: no class labels)
+    classes_select: int | None
+    classes_in_split: int | None
+
+
 class _Splits:
     """What every dataset offers, on top of its x_/y_ train, val and test splits."""
 
@@ -50,21 +112,57 @@ class _Splits:
             raise DataError(f"unknown split {name!r}; choose train, val or test")
         return getattr(self, f"x_{name}"), getattr(self, f"y_{name}")
 
-    def calibration_samples(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> np.ndarray:
-        """N samples for calibration, drawn from train (never from test)."""
+    def labels(self, split: str) -> np.ndarray:
+        return getattr(self, f"y_{split}")
+
+    def spread(self, split: str, seed: int = 0) -> np.ndarray:
+        """Every index of ``split`` in a seeded order whose every prefix is stratified by class."""
+        return spread_order(self.labels(split), seed)
+
+    def calibration_indices(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> np.ndarray:
+        """Which train samples calibration takes: N, stratified by class, seeded (sorted)."""
         if n <= 0:
             raise DataError(f"--calib-samples must be positive, got {n}")
-        rng = np.random.default_rng(seed)
-        total = self.count("train")
-        idx = rng.choice(total, size=min(n, total), replace=False)
-        return self.take("train", np.sort(idx))
+        return np.sort(self.spread("train", seed)[:n])
+
+    def calibration_samples(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> np.ndarray:
+        """N samples for calibration, drawn from train (never from test), stratified by class."""
+        return self.take("train", self.calibration_indices(n, seed))
+
+    def held_out(self, n: int = 200, select: int = 0) -> HeldOut:
+        """Samples disjoint from calibration (which draws from train): val, else test.
+
+        ``select`` > 0 sets aside that many others, disjoint from the first, for choosing
+        between candidates (``--ptq auto``): a choice and its verification on the same
+        samples would favour the candidate that got lucky there. Both are stratified by class.
+        """
+        split = next((name for name in ("val", "test") if self.count(name)), None)
+        if split is None:  # no held-out split: the train samples calibration does not draw
+            split = "train"
+            order = self.spread("train", 1)
+            order = order[~np.isin(order, self.calibration_indices())]
+        else:
+            order = self.spread(split, 1)
+        if select > 0:
+            order, chosen = alternate_halves(self.labels(split), order)
+            chosen = np.sort(chosen[:select])
+        else:
+            chosen = np.zeros(0, dtype=np.int64)
+        verify = np.sort(order[:n])
+        labels = self.labels(split)
+        return HeldOut(
+            split,
+            self.take(split, verify),
+            self.take(split, chosen) if len(chosen) else None,
+            classes_covered(labels, verify),
+            classes_covered(labels, chosen) if len(chosen) else None,
+            classes_covered(labels, np.arange(len(labels))),
+        )
 
     def verification_samples(self, n: int = 200) -> tuple[np.ndarray, str]:
-        """Up to N samples disjoint from calibration (which draws from train): val, else test."""
-        for name in ("val", "test"):
-            if self.count(name):
-                return self.take(name, np.arange(min(n, self.count(name)))), name
-        return self.calibration_samples(n, seed=1), "train"
+        """Up to N held-out samples (``held_out``) and the split they come from."""
+        part = self.held_out(n)
+        return part.x, part.split
 
     def representative_dataset(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> Callable[[], Iterator]:
         """A TFLiteConverter.representative_dataset: one sample per step, from train."""

@@ -178,3 +178,45 @@ def test_training_stream_is_the_split_shuffled_and_augmented_by_seed(tmp_path):
     assert not np.array_equal(augmented, shuffled_x) and augmented.shape == shuffled_x.shape
     with pytest.raises(Exception, match="unknown rotate"):
         parse_augment("flip,rotate")
+
+
+def _label_sorted_npz(path, classes=10, per_class=100):
+    """An .npz saved class by class, as people save them: y = 0,0,...,1,1,...,9."""
+    rng = np.random.default_rng(3)
+    y = np.repeat(np.arange(classes), per_class)
+    x = rng.uniform(0, 1, (len(y), 4, 4, 1)).astype(np.float32) + y[:, None, None, None] * 0.01
+    np.savez(path, x=x, y=y)
+    return path
+
+
+def test_verification_and_calibration_samples_cover_every_class_of_a_sorted_source(tmp_path):
+    """Splits keep file/label order, so the first N samples of a class-sorted source's val split
+    are its first classes (2 of 10 here, before the fix); held-out and calibration samples are
+    drawn stratified by class, and the --ptq choice gets its own, disjoint ones."""
+    from PIL import Image
+
+    d = load_dataset(f"npz:{_label_sorted_npz(tmp_path / 'sorted.npz')}")
+    assert len(np.unique(d.y_val[:20])) == 2  # what index order gives
+    val_rows = {r.tobytes(): int(c) for r, c in zip(d.x_val, d.y_val)}
+    x, split = d.verification_samples(20)
+    assert split == "val" and len({val_rows[r.tobytes()] for r in x}) == 10
+    held = d.held_out(20)
+    assert len(held.x) == 20 and held.classes == held.classes_in_split == 10
+    # a choice between candidates and the verification after it: disjoint samples, both stratified
+    both = d.held_out(40, select=40)
+    assert len(both.x) == len(both.x_select) == 40 and both.classes == both.classes_select == 10
+    assert not {r.tobytes() for r in both.x} & {r.tobytes() for r in both.x_select}
+    # ten calibration samples: one of each class (a uniform draw of ten rarely covers all ten)
+    train_rows = {r.tobytes(): int(c) for r, c in zip(d.x_train, d.y_train)}
+    assert sorted(train_rows[r.tobytes()] for r in d.calibration_samples(10)) == list(range(10))
+
+    root = tmp_path / "folder"  # an image folder lists class by class
+    for cls in range(10):
+        (root / f"c{cls}").mkdir(parents=True)
+        for i in range(20):
+            Image.fromarray(np.full((4, 4, 3), cls * 20 + i, np.uint8)).save(root / f"c{cls}" / f"{i}.png")
+    images = load_dataset(f"images:{root}", input_shape=(4, 4, 3))
+    assert len(np.unique(images.labels("val")[:10])) < 10
+    part = images.held_out(10)
+    assert part.classes == 10 and len(part.x) == 10
+    assert sorted(int(v) // 20 for v in (part.x[:, 0, 0, 0] * 255).round()) == list(range(10))

@@ -135,13 +135,35 @@ def test_ptq_auto_keeps_the_best_candidate_and_records_every_one(cli, digits_run
     picked = max(ours, key=lambda c: c["simulated_sqnr_db"])
     assert [c["method"] for c in ours if "sqnr_db" in c] == [picked["method"]]
     # the simulation predicts the int8 model it stands for: within 0.1-1.7 dB on the random-weight
-    # applications models in BENCHMARKS.md, up to 5 dB on a trained digits-cnn at ~50 dB, where the
-    # fake-quant ops' rounding and the integer kernels' differ by more than the quantization noise
-    assert abs(picked["simulated_sqnr_db"] - picked["sqnr_db"]) < 6.0, picked
+    # applications models in BENCHMARKS.md, up to 7 dB on a trained digits-cnn at ~50 dB (on the 89
+    # val samples the choice now uses), where the fake-quant ops' rounding and the integer kernels'
+    # differ by more than the quantization noise; both stay far above the 10 dB verification threshold
+    assert abs(picked["simulated_sqnr_db"] - picked["sqnr_db"]) < 9.0 and picked["sqnr_db"] > 30, picked
     best = max((c for c in candidates if "sqnr_db" in c), key=lambda c: c["sqnr_db"])
-    assert record["chosen"] == best["method"] and manifest["verification"]["sqnr_db"] >= candidates[0]["sqnr_db"]
+    assert record["chosen"] == best["method"]
     assert "val samples" in manifest["verification"]["data"]  # checked on data calibration never saw
     assert manifest["verification"]["integer_only"]
+    # The choice is made on one half of val, verification gates and records on the other: the
+    # winner's SQNR on the samples that chose it is not what the manifest reports as verified.
+    from edgeq.data import load_dataset
+    from edgeq.metrics import compare_outputs
+    from edgeq.model_io import load_keras_model
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    held = load_dataset("digits").held_out(200, select=200)
+    keras_model, tflite = load_keras_model(model), TFLiteModel(out, use_default_delegates=False)  # as convert measures
+
+    def sqnr(x):
+        return compare_outputs(keras_model.predict(x, verbose=0), tflite.predict(x)).sqnr_db
+
+    assert record["checked_on"] == f"{len(held.x_select)} val samples" and (len(held.x), len(held.x_select)) == (90, 89)
+    assert best["sqnr_db"] == pytest.approx(sqnr(held.x_select), abs=1e-3)
+    verification = manifest["verification"]
+    assert verification["samples"] == 90 and verification["sqnr_db"] == pytest.approx(sqnr(held.x), abs=1e-6)
+    assert verification["classes"] == record["checked_on_classes"] == 10
+    assert manifest["calibration_samples"] == {
+        "split": "train", "samples": 200, "classes": 10, "draw": "stratified by class, seed 0"
+    }  # fmt: skip
 
     # By default auto stops at the first candidate that passes verification: here the converter's.
     out = tmp_path / "quick.tflite"
@@ -331,7 +353,7 @@ def _hot_pixel_digits(samples=128):
 
     d = load_dataset("digits")
     x = d.x_train.copy()
-    first = int(np.sort(np.random.default_rng(0).choice(len(x), size=samples, replace=False))[0])
+    first = int(d.calibration_indices(samples)[0])
     x[first, 4, 4, 0] = 40.0  # Dataset.calibration_samples(samples) draws this one
     hot = replace(d, x_train=x)
     assert hot.calibration_samples(samples).max() == 40.0
