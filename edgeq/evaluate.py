@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import ModelLoadError, QualityGateError
-from edgeq.metrics import compare_outputs
+from edgeq.metrics import accuracy, compare_outputs
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,8 @@ def evaluate(
     got = quantized.predict(x, batch_size=1)
     ref, ref_size = _reference_predictions(reference, x)
     cmp = compare_outputs(ref, got)
-    acc = float(np.mean(got.argmax(-1) == y))
-    ref_acc = float(np.mean(ref.argmax(-1) == y))
+    acc = accuracy(got, y, str(model))
+    ref_acc = accuracy(ref, y, str(reference))
     drop = round((ref_acc - acc) * 100.0, 4)
     size = model.stat().st_size
     result = EvalResult(

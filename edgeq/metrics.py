@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgeq.errors import DataError
+
 
 @dataclass(frozen=True)
 class OutputComparison:
@@ -21,6 +23,46 @@ class OutputComparison:
     max_abs_error: float
     sqnr_db: float  # 10 log10(sum ref^2 / sum (ref - q)^2); inf when identical
     cosine: float  # mean cosine similarity per sample
+
+
+def class_scores(outputs: np.ndarray) -> np.ndarray | None:
+    """A classifier's output as (N, K) scores, its size-1 axes dropped; None when it is not one.
+
+    (N, K), (N, 1, 1, K) and (N, 1) are classifier outputs; (N, H, W, C) or (N, T, K) are not.
+    """
+    out = np.asarray(outputs)
+    if out.ndim < 1 or len(out) == 0:
+        return None
+    axes = [d for d in out.shape[1:] if d != 1]
+    if len(axes) > 1:
+        return None
+    return out.reshape(len(out), axes[0] if axes else 1)
+
+
+def predicted_classes(outputs: np.ndarray, where: str = "the model") -> np.ndarray:
+    """The class each sample is given: argmax of K > 1 scores; a 1-unit output is a sigmoid
+    probability, thresholded at 0.5 (class 1 at or above it).
+
+    An output that is no class-score vector is refused: its accuracy would mean nothing.
+    """
+    scores = class_scores(outputs)
+    if scores is None:
+        raise DataError(
+            f"{where}: its output of shape {tuple(np.shape(outputs))} is not one score per class, so it has no "
+            "accuracy; compare it by output error (SQNR, MAE) instead, or give a classifier"
+        )
+    if scores.shape[1] == 1:
+        return (scores[:, 0] >= 0.5).astype(np.int64)
+    return np.argmax(scores, axis=1)
+
+
+def accuracy(outputs: np.ndarray, labels: np.ndarray, where: str = "the model") -> float:
+    """Share of samples whose predicted class (``predicted_classes``) is their label."""
+    predicted = predicted_classes(outputs, where)
+    y = np.asarray(labels).reshape(-1)
+    if len(y) != len(predicted):
+        raise DataError(f"{where}: {len(y)} labels for {len(predicted)} outputs")
+    return float(np.mean(predicted == y)) if len(y) else float("nan")
 
 
 def compare_outputs(reference: np.ndarray, quantized: np.ndarray) -> OutputComparison:
@@ -38,10 +80,21 @@ def compare_outputs(reference: np.ndarray, quantized: np.ndarray) -> OutputCompa
     cos = np.where(norms > 0, np.sum(ref * q, axis=1) / np.where(norms > 0, norms, 1), 1.0)
     return OutputComparison(
         samples=len(ref),
-        agreement=float(np.mean(ref.argmax(1) == q.argmax(1))),
+        agreement=top1_agreement(reference, quantized),
         mae=float(np.mean(np.abs(err))),
         mse=float(np.mean(err**2)),
         max_abs_error=float(np.max(np.abs(err))),
         sqnr_db=float(sqnr),
         cosine=float(np.mean(cos)),
     )
+
+
+def top1_agreement(reference: np.ndarray, quantized: np.ndarray) -> float:
+    """Top-1 agreement: the same predicted class (a 1-unit output: the same side of 0.5).
+
+    An output that is no class-score vector is compared by the argmax of its flattened values.
+    """
+    if class_scores(reference) is not None:
+        return float(np.mean(predicted_classes(reference) == predicted_classes(quantized)))
+    flat = (len(reference), -1)
+    return float(np.mean(np.reshape(reference, flat).argmax(1) == np.reshape(quantized, flat).argmax(1)))

@@ -13,12 +13,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from edgeq.analyze.sensitivity import exact_sensitivity, load_fp32_with_data
 from edgeq.artifacts import write_json_atomic
 from edgeq.calibration import calibrate, predict
 from edgeq.errors import UsageError
+from edgeq.metrics import accuracy
 from edgeq.transforms.int4 import int4_weight_copy
 
 
@@ -69,11 +68,11 @@ def make_plan(
     cal = calibrate(model, dataset, samples, per_tensor, ranges)
     if not cal.nodes:
         raise UsageError(f"{model_path}: the converter quantized no layer: there is nothing to plan")
-    fp32_acc = float(np.mean(predict(cal.float_model, x).argmax(-1) == y))
+    fp32_acc = accuracy(predict(cal.float_model, x), y)
 
     def measure(float_layers: list[str]) -> PlanPoint:
         model_bytes = cal.quantize(cal.nodes_of_layers(float_layers))
-        acc = float(np.mean(predict(model_bytes, x).argmax(-1) == y))
+        acc = accuracy(predict(model_bytes, x), y)
         return PlanPoint(tuple(float_layers), acc, round((fp32_acc - acc) * 100, 4), len(model_bytes))
 
     frontier = [measure([])]
@@ -107,7 +106,7 @@ def make_plan(
             trial = [*accepted, candidate.layer]
             trial_cal = calibrate(int4_weight_copy(model, trial), dataset, samples, per_tensor, ranges)
             model_bytes = trial_cal.quantize(trial_cal.nodes_of_layers(best.float_layers))
-            acc = float(np.mean(predict(model_bytes, x).argmax(-1) == y))
+            acc = accuracy(predict(model_bytes, x), y)
             point = PlanPoint(
                 best.float_layers,
                 acc,

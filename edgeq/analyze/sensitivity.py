@@ -23,6 +23,7 @@ import numpy as np
 
 from edgeq.calibration import Calibrated, calibrate, predict
 from edgeq.errors import UsageError
+from edgeq.metrics import accuracy
 from edgeq.shims.tflite import native_output_silenced
 
 log = logging.getLogger(__name__)
@@ -117,16 +118,16 @@ def fast_sensitivity(cal: Calibrated) -> list[FastSensitivity]:
 
 def exact_sensitivity(cal: Calibrated, x: np.ndarray, y: np.ndarray, progress=None) -> tuple[float, float, list]:
     reference = predict(cal.float_model, x)
-    fp32_acc = float(np.mean(reference.argmax(-1) == y))
-    int8_acc = float(np.mean(predict(cal.quantize(), x).argmax(-1) == y))
+    fp32_acc = accuracy(reference, y)
+    int8_acc = accuracy(predict(cal.quantize(), x), y)
     results = []
     for layer in cal.layers:
         start = time.perf_counter()
         own = cal.nodes_of_layers([layer])
         others = [n for n in cal.nodes if n not in own]
-        all_but = float(np.mean(predict(cal.quantize(own), x).argmax(-1) == y))
+        all_but = accuracy(predict(cal.quantize(own), x), y)
         only_out = predict(cal.quantize(others), x)
-        only = float(np.mean(only_out.argmax(-1) == y))
+        only = accuracy(only_out, y)
         results.append(
             ExactSensitivity(
                 layer,
@@ -187,8 +188,8 @@ def analyze_sensitivity(
         # activation to the layer that produces it (accuracy ties between producer and consumer).
         exact.sort(key=lambda r: -r.mse_only_this)
     else:
-        fp32_acc = float(np.mean(predict(cal.float_model, x).argmax(-1) == y))
-        int8_acc = float(np.mean(predict(cal.quantize(), x).argmax(-1) == y))
+        fp32_acc = accuracy(predict(cal.float_model, x), y)
+        int8_acc = accuracy(predict(cal.quantize(), x), y)
     return SensitivityReport(
         str(model_path),
         f"{data} ({split})",

@@ -26,6 +26,7 @@ from edgeq.fleet.inventory import Device
 from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files
 from edgeq.fleet.rollout import Rollout
 from edgeq.fleet.transport import CANCEL, Transport, confine, connect
+from edgeq.metrics import top1_agreement
 from edgeq.runtime.inputs import manifest_beside
 
 log = logging.getLogger(__name__)
@@ -370,8 +371,7 @@ def verify_on(
         )
     diff = np.abs(dev_out.astype(np.float64) - host_out.astype(np.float64))
     fdiff = np.abs(dequantize(dev_out, host.output).astype(np.float64) - dequantize(host_out, host.output))
-    flat = (len(x), -1)
-    agree = float(np.mean(dev_out.reshape(flat).argmax(1) == host_out.reshape(flat).argmax(1))) if len(x) else 1.0
+    agree = top1_agreement(dequantize(host_out, host.output), dequantize(dev_out, host.output)) if len(x) else 1.0
     return VerifyResult(
         samples=len(x),
         bit_exact=bool(np.array_equal(dev_out, host_out)),

@@ -28,7 +28,7 @@ import numpy as np
 from edgeq import __version__
 from edgeq.artifacts import sha256_bytes
 from edgeq.errors import DataError, ModelLoadError, UsageError
-from edgeq.metrics import compare_outputs
+from edgeq.metrics import accuracy, class_scores, compare_outputs
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
     Normalization,
@@ -556,22 +556,17 @@ def predict_all(model: TFLiteModel, x: np.ndarray, progress: bool | None = None,
     return np.concatenate(outputs, axis=0)
 
 
-def _top1(outputs: np.ndarray) -> np.ndarray:
-    flat = outputs.reshape(len(outputs), -1)
-    return np.argmax(flat, axis=1)
-
-
 def _accuracy(outputs: np.ndarray, data: Dataset, where: str) -> AccuracyStats:
     if data.y is None:
         return AccuracyStats(samples=len(outputs), labelled=False, accuracy=None)
-    classes = int(np.prod(outputs.shape[1:]))
-    if data.y.min() < 0 or data.y.max() >= classes:
+    scores = class_scores(outputs)
+    classes = 2 if scores is not None and scores.shape[1] == 1 else (scores.shape[1] if scores is not None else 0)
+    if scores is not None and (data.y.min() < 0 or data.y.max() >= classes):
         raise DataError(
             f"{data.info.path}: labels run from {int(data.y.min())} to {int(data.y.max())} "
             f"but {where} has {classes} output classes"
         )
-    accuracy = float(np.mean(_top1(outputs) == data.y))
-    return AccuracyStats(samples=len(outputs), labelled=True, accuracy=round(accuracy, 6))
+    return AccuracyStats(samples=len(outputs), labelled=True, accuracy=round(accuracy(outputs, data.y, where), 6))
 
 
 def _facts(model: TFLiteModel) -> ModelFacts:
