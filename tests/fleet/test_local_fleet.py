@@ -412,3 +412,20 @@ def test_the_host_keeps_only_the_last_few_source_builds(tmp_path, monkeypatch):
     assert bootstrap.KEEP_SOURCE_BUILDS == 4 and deps.is_dir()
     assert bootstrap.build_wheel() == built  # cached: nothing rebuilt, nothing pruned
     assert len(list((tmp_path / "wheels").glob("edgeq-src-*"))) == 4
+
+
+def test_a_batch_percentage_rounds_up_to_one_device_and_the_budget_stops_the_rollout(cli, tmp_path):
+    """--batch 10% of 9 devices is one device per batch, never all nine at once: with the first
+    device broken and --max-fail 0, the other eight are left untouched (they all got the file before)."""
+    from edgeq.fleet.rollout import Rollout
+
+    assert [len(b) for b in Rollout(batch="10%").batches(list(range(9)))] == [1] * 9
+    assert [len(b) for b in Rollout(batch="25%").batches(list(range(9)))] == [3, 3, 3]
+    assert [len(b) for b in Rollout(batch="100%").batches(list(range(9)))] == [9]
+    assert Rollout(max_fail="10%").budget(9) == 0  # a failure budget rounds down: 0.9 devices is none
+    names = [f"pct{i}" for i in range(9)]
+    inventory = _inventory(tmp_path, names, broken=(names[0],))
+    result = cli("push", INT8, "--to", "all", "--inventory", inventory, "--batch", "10%", "--max-fail", "0")
+    assert result.exit_code == 6, result.output
+    assert list(_rows(result.stdout).values()) == ["failed"] + ["skipped"] * 8
+    assert not any((tmp_path / n / "models").exists() for n in names[1:])
