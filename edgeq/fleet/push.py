@@ -128,12 +128,20 @@ def push_files(
             part = confine(folder, f".{path.name}{PART_MARK}{uuid.uuid4().hex[:12]}")
             try:
                 transport.upload(path, part)
-                got = remote_sha256(transport, python, [part]).get(part)
+                # The target's state is read again on every attempt: an attempt whose rename
+                # happened but whose reply was lost has made the new file live already, and
+                # linking that into .previous/ would make --rollback "restore" the new model.
+                hashes_now = remote_sha256(transport, python, [part, target])
+                got = hashes_now.get(part)
                 if got != digest:
                     raise TransferError(
                         f"{transport.device.name}: {path.name}: sha256 on the device {got} != {digest}; not renamed"
                     )
-                if there.get(target) is not None:  # keep the version being replaced, for --rollback
+                live_now = hashes_now.get(target)
+                if live_now == digest:  # an earlier attempt's rename went through
+                    transport.remove(part)
+                    return
+                if live_now is not None:  # keep the version being replaced, for --rollback
                     keep_previous(transport, folder, target)
                 transport.rename(part, target)
             except BaseException:

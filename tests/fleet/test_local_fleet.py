@@ -429,3 +429,42 @@ def test_a_batch_percentage_rounds_up_to_one_device_and_the_budget_stops_the_rol
     assert result.exit_code == 6, result.output
     assert list(_rows(result.stdout).values()) == ["failed"] + ["skipped"] * 8
     assert not any((tmp_path / n / "models").exists() for n in names[1:])
+
+
+class _ReplyLostOnRename(LocalTransport):
+    """The device renames the file, then the connection drops before the reply comes back."""
+
+    def __init__(self, device, target_name):
+        super().__init__(device)
+        self.target_name, self.dropped = target_name, 0
+
+    def rename(self, src, dst):
+        super().rename(src, dst)
+        if Path(dst).name == self.target_name and not self.dropped:
+            self.dropped += 1
+            from edgeq.errors import ConnectionLost
+
+            raise ConnectionLost(f"{self.device.name}: connection reset after the rename")
+
+
+def test_a_retried_upload_whose_rename_went_through_keeps_the_rollback_copy(tmp_path):
+    """The retry reads the device again: the new file is live already, so it is not linked into
+    .previous/ over the version it replaced, and --rollback restores that version (before, the
+    retry linked the new model into .previous/ and "restored" it)."""
+    from edgeq.fleet.push import push_files, rollback_files
+
+    device = Device(name="flaky", host="local", workdir=str(tmp_path / "work"))
+    old, new = tmp_path / "v1" / "m.tflite", tmp_path / "v2" / "m.tflite"
+    for path, content in ((old, b"version one"), (new, b"version two")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    models = tmp_path / "work" / "models"
+    push_files(LocalTransport(device), [old], python=sys.executable)
+    flaky = _ReplyLostOnRename(device, "m.tflite")
+    records = push_files(flaky, [new], python=sys.executable, backoff_s=0.0)
+    assert flaky.dropped == 1 and records[0].attempts == 2
+    assert (models / "m.tflite").read_bytes() == b"version two"
+    assert (models / ".previous" / "m.tflite").read_bytes() == b"version one"
+    assert not list(models.glob(".m.tflite.part-*"))
+    rollback_files(LocalTransport(device), ["m.tflite"])
+    assert (models / "m.tflite").read_bytes() == b"version one"
