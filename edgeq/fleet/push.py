@@ -21,6 +21,7 @@ from pathlib import Path
 from edgeq.artifacts import sha256_file
 from edgeq.errors import DeviceError, TransferError, UnsafePathError
 from edgeq.fleet.transport import Transport, confine, retry
+from edgeq.runtime.inputs import manifest_beside
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,28 @@ def remote_sha256(transport: Transport, python: str, paths: list[str]) -> dict[s
         return json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
         raise DeviceError(f"{transport.device.name}: unexpected answer from sha256: {result.stdout[:200]!r}") from exc
+
+
+def with_manifests(files: list[str | Path]) -> list[Path]:
+    """``files`` with the conversion manifest beside each model, each manifest just before its model.
+
+    A model and its manifest are one unit on a device: the manifest says how raw data is
+    normalised for the model, so a new model beside an old manifest would be fed wrong inputs.
+    The manifest goes first, so that a model renamed into place finds its manifest there.
+    """
+    out: list[Path] = []
+    for file in map(Path, files):
+        manifest = manifest_beside(file)
+        if file.suffix == ".tflite" and manifest.is_file() and manifest not in out:
+            out.append(manifest)
+        if file not in out:
+            out.append(file)
+    return out
+
+
+def manifest_name(name: str) -> str | None:
+    """The manifest file name that goes with model ``name`` (None for other files)."""
+    return manifest_beside(name).name if name.endswith(".tflite") else None
 
 
 def push_files(
@@ -213,7 +236,9 @@ def rollback_files(transport: Transport, names: list[str], subdir: str = "models
     """Make the previous version of each file live again; the replaced one becomes the previous.
 
     NAME never disappears: the live version is hard-linked aside, then the previous one is
-    renamed over NAME (atomic), then the aside link becomes the new previous.
+    renamed over NAME (atomic), then the aside link becomes the new previous. A model's
+    manifest rolls back with it; a live manifest with no previous version (the model before
+    had none) is moved into .previous/, so the restored model is not read with the newer one's.
     """
     folder = confine(transport.expand(transport.device.workdir), subdir)
     previous = confine(folder, PREVIOUS)
@@ -224,9 +249,19 @@ def rollback_files(transport: Transport, names: list[str], subdir: str = "models
             f"{transport.device.name}: no previous version of {', '.join(missing)} to roll back to "
             f"(push keeps one when it replaces a file)"
         )
+    present = set(transport.listdir(folder))
+    swap, retire = [], []
+    for name in names:
+        manifest = manifest_name(name)
+        if manifest and manifest not in names:
+            if manifest in kept:
+                swap.append(manifest)
+            elif manifest in present:
+                retire.append(manifest)
+        swap.append(name)
     live = read_live(transport, folder)
     done = []
-    for name in names:
+    for name in swap:
         target, old = confine(folder, name), confine(previous, name)
         aside = confine(previous, f".{name}{PART_MARK}{uuid.uuid4().hex[:12]}")
         result = transport.run(["ln", "-f", "--", target, aside], timeout=60)
@@ -236,6 +271,11 @@ def rollback_files(transport: Transport, names: list[str], subdir: str = "models
         transport.rename(aside, old)
         entry = live.get(name) or {}
         live[name] = {"sha256": entry.get("previous_sha256"), "previous_sha256": entry.get("sha256"), "since": _now()}
-        done.append(Rollback(name, live[name]["sha256"], live[name]["previous_sha256"]))
+        if name in names:
+            done.append(Rollback(name, live[name]["sha256"], live[name]["previous_sha256"]))
+    for name in retire:
+        transport.rename(confine(folder, name), confine(previous, name))
+        entry = live.get(name) or {}
+        live[name] = {"sha256": None, "previous_sha256": entry.get("sha256"), "since": _now()}
     write_live(transport, folder, live)
     return done

@@ -23,11 +23,10 @@ from edgeq.errors import DeviceError, EdgeqError, FleetInterrupted
 from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe, rollback_runtime
 from edgeq.fleet.health import DeviceUnhealthy, HealthLimits, check_health
 from edgeq.fleet.inventory import Device
-from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files
+from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files, with_manifests
 from edgeq.fleet.rollout import Rollout
 from edgeq.fleet.transport import CANCEL, Transport, confine, connect
 from edgeq.metrics import top1_agreement
-from edgeq.runtime.inputs import manifest_beside
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +200,9 @@ def push_to_device(
     runtime = ensure_runtime(transport, wheel=wheel, wheels_dir=wheels_dir)
     if runtime.installed == "installed":
         on_event(name, f"installed edgeq ({runtime.mode})")
+    files = with_manifests(list(files))  # a model and its manifest are one unit on the device
     on_event(name, f"pushing {len(files)} file(s)")
-    records = push_files(transport, list(files), python=runtime.python) if files else []
+    records = push_files(transport, files, python=runtime.python) if files else []
     return PushSummary(runtime, tuple(records))
 
 
@@ -260,9 +260,6 @@ def profile_on(
 ) -> RemoteProfile:
     """Push the model (and --compare/--data files), run ``edgeq profile`` there, fetch the JSON."""
     files = [Path(model)] + [Path(p) for p in (options.compare, options.data) if p]
-    manifest = manifest_beside(model)
-    if options.data and manifest.is_file():
-        files.append(manifest)  # the device reads raw data by the normalisation it records
     on_event(device.name, "connecting")
     with connect(device) as transport:
         _health_check(transport, files, health, on_event)

@@ -7,6 +7,7 @@ test_fleet.py's real sshd stays the proof of the SSH path.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -468,3 +469,40 @@ def test_a_retried_upload_whose_rename_went_through_keeps_the_rollback_copy(tmp_
     assert not list(models.glob(".m.tflite.part-*"))
     rollback_files(LocalTransport(device), ["m.tflite"])
     assert (models / "m.tflite").read_bytes() == b"version one"
+
+
+def test_a_model_and_its_manifest_are_pushed_and_rolled_back_together(cli, tmp_path):
+    """The manifest says how raw data is normalised for its model: push sends it with the model,
+    and --rollback restores the pair, so a retrained model is never read with a stale manifest."""
+    inventory = _inventory(tmp_path, ["pair"], broken=())
+    models = tmp_path / "pair" / "models"
+    first, second = tmp_path / "first" / "m.tflite", tmp_path / "second" / "m.tflite"
+    for path, scale in ((first, 1 / 16), (second, 1 / 255)):
+        path.parent.mkdir()
+        path.write_bytes(INT8.read_bytes() + path.parent.name.encode())  # two versions of one model
+        path.with_name("m.manifest.json").write_text(json.dumps({"normalization": {"scale": scale}}))
+    assert cli("push", first, "--to", "pair", "--inventory", inventory).exit_code == 0
+    assert json.loads((models / "m.manifest.json").read_text())["normalization"]["scale"] == 1 / 16
+    assert cli("push", second, "--to", "pair", "--inventory", inventory).exit_code == 0
+    assert (models / "m.tflite").read_bytes() == second.read_bytes()
+    assert json.loads((models / "m.manifest.json").read_text())["normalization"]["scale"] == 1 / 255
+    rolled = cli("push", "--rollback", "m.tflite", "--to", "pair", "--inventory", inventory)
+    assert rolled.exit_code == 0, rolled.output
+    assert (models / "m.tflite").read_bytes() == first.read_bytes()
+    assert json.loads((models / "m.manifest.json").read_text())["normalization"]["scale"] == 1 / 16
+    live = json.loads((models / ".edgeq-live.json").read_text())
+    assert (
+        live["m.manifest.json"]["sha256"] == hashlib.sha256(first.with_name("m.manifest.json").read_bytes()).hexdigest()
+    )
+
+    # a model pushed before it had a manifest: rolling back to it retires the newer manifest
+    bare = tmp_path / "bare" / "b.tflite"
+    bare.parent.mkdir()
+    bare.write_bytes(INT8.read_bytes())
+    assert cli("push", bare, "--to", "pair", "--inventory", inventory).exit_code == 0
+    bare.write_bytes(INT8.read_bytes() + b"retrained")
+    bare.with_name("b.manifest.json").write_text("{}")
+    assert cli("push", bare, "--to", "pair", "--inventory", inventory).exit_code == 0
+    assert (models / "b.manifest.json").is_file()
+    assert cli("push", "--rollback", "b.tflite", "--to", "pair", "--inventory", inventory).exit_code == 0
+    assert (models / "b.tflite").read_bytes() == INT8.read_bytes() and not (models / "b.manifest.json").exists()
