@@ -527,3 +527,33 @@ def test_a_diverging_stage_stops_with_one_line_and_keeps_the_last_finite_checkpo
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert (state["stage"], state["epochs_done"], state["checkpoint"]) == (0, 0, None)  # the stage's start
     assert not (out / "fp32.keras").exists() and not (out / "run.json").exists()
+
+
+def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(tmp_path):
+    """Killed after epoch 1 and resumed, the run sees epoch 2's and 3's shuffles, not epoch 1's
+    again: its weights equal the uninterrupted run's, bit for bit (op determinism, --seed)."""
+    cmd = [sys.executable, "-m", "edgeq", "train", "digits-cnn", "--data", "digits", "--seed", "5"]
+    cmd += ["--epochs", "3", "--qat-epochs", "0", "--batch-size", "64"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    straight = subprocess.run(cmd + ["--out", str(tmp_path / "straight")], capture_output=True, text=True, env=env)
+    assert straight.returncode == 0, straight.stderr
+    out = tmp_path / "resumed"
+    proc = subprocess.Popen(
+        cmd + ["--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "EDGEQ_TEST_PAUSE_AFTER_EPOCH": "1"},
+    )
+    for line in proc.stderr:  # waits on the run itself, not on a timer
+        if "paused after epoch 1" in line:
+            break
+    proc.kill()
+    proc.communicate()
+    resumed = subprocess.run(cmd + ["--out", str(out), "--resume"], capture_output=True, text=True, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((out / "run.json").read_text())["resumed_from"] == [0, 1]
+    a = keras.models.load_model(tmp_path / "straight" / "fp32.keras").get_weights()
+    b = keras.models.load_model(out / "fp32.keras").get_weights()
+    for wa, wb in zip(a, b):
+        np.testing.assert_array_equal(wa, wb)

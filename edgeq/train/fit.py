@@ -569,7 +569,13 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
             t0 = time.perf_counter()
             if initial_epoch < stage.epochs:
                 train_data = pipeline.split_dataset(
-                    dataset, "train", hp["batch_size"], training=True, seed=config.seed, augment=augment
+                    dataset,
+                    "train",
+                    hp["batch_size"],
+                    training=True,
+                    seed=config.seed,
+                    augment=augment,
+                    epochs=(initial_epoch, stage.epochs),
                 )
                 val_data = pipeline.split_dataset(dataset, "val", hp["batch_size"]) if dataset.count("val") else None
                 recorder = _EpochRecorder(run, index, bar)
@@ -578,6 +584,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                     validation_data=val_data,
                     epochs=stage.epochs,
                     initial_epoch=initial_epoch,
+                    steps_per_epoch=pipeline.steps_per_epoch(dataset, "train", hp["batch_size"]),
                     verbose=0,
                     callbacks=[recorder],
                 )

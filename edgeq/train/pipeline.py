@@ -13,6 +13,8 @@ with the same seed, so the global batches of a 2-worker run are those of a 1-wor
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from edgeq.compat import tf
@@ -63,13 +65,19 @@ def _decoder(data: EncodedImages):
     return (lambda path: run(decode_file, path)), (lambda encoded: run(decode_bytes, encoded))
 
 
-def _encoded_split(data: EncodedImages, split: str, shuffle: bool, seed: int) -> tf.data.Dataset:
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle/augmentation seed of one epoch: a function of (--seed, epoch) alone, so a
+    run resumed at epoch E sees epoch E's order, as the uninterrupted run did."""
+    return (int(seed) * 1_000_003 + int(epoch)) % (2**63 - 1)
+
+
+def _encoded_split(data: EncodedImages, split: str, shuffle_seed) -> tf.data.Dataset:
     labels = data.labels(split).astype(np.int64)
     from_path, from_bytes = _decoder(data)
     if data.kind == "files":
         ds = tf.data.Dataset.from_tensor_slices((np.asarray(data.refs(split), dtype=str), labels))
-        if shuffle:  # the whole list of paths: a full shuffle at the cost of a few bytes per image
-            ds = ds.shuffle(len(labels), seed=seed, reshuffle_each_iteration=True)
+        if shuffle_seed is not None:  # the whole list of paths: a full shuffle at the cost of a few bytes per image
+            ds = ds.shuffle(len(labels), seed=shuffle_seed)
         return ds.map(lambda p, y: (from_path(p), y), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     mask = np.zeros(data.total, dtype=bool)
     mask[data.indices(split)] = True
@@ -77,8 +85,8 @@ def _encoded_split(data: EncodedImages, split: str, shuffle: bool, seed: int) ->
     in_split = tf.constant(mask)
     ds = ds.enumerate().filter(lambda i, _: tf.gather(in_split, i)).map(lambda _, r: r)
     ds = tf.data.Dataset.zip((ds, tf.data.Dataset.from_tensor_slices(labels)))
-    if shuffle:
-        ds = ds.shuffle(min(len(labels), SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
+    if shuffle_seed is not None:
+        ds = ds.shuffle(min(len(labels), SHUFFLE_BUFFER), seed=shuffle_seed)
     return ds.map(
         lambda r, y: (from_bytes(_parse_tfrecord(tf, r)[TFRECORD_IMAGE]), y),
         num_parallel_calls=tf.data.AUTOTUNE,
@@ -86,12 +94,12 @@ def _encoded_split(data: EncodedImages, split: str, shuffle: bool, seed: int) ->
     )
 
 
-def _augment(ds: tf.data.Dataset, names: tuple[str, ...], shape: tuple[int, ...], seed: int) -> tf.data.Dataset:
+def _augment(ds: tf.data.Dataset, names: tuple[str, ...], shape: tuple[int, ...], seed) -> tf.data.Dataset:
     """Stateless random flips and crops, seeded per sample from a seeded stream: the same
-    ``--seed`` gives the same augmentation, and each epoch another."""
+    ``--seed`` gives the same augmentation, and each epoch another (its seed is the epoch's)."""
     h, w = int(shape[0]), int(shape[1])
     pad_h, pad_w = max(1, h // 8), max(1, w // 8)
-    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(4)
+    seeds = tf.data.Dataset.random(seed=seed).batch(4)
 
     def apply(sample, key):
         (x, y), key = sample, tf.reshape(key, (2, 2))
@@ -105,6 +113,10 @@ def _augment(ds: tf.data.Dataset, names: tuple[str, ...], shape: tuple[int, ...]
     return tf.data.Dataset.zip((ds, seeds)).map(apply, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
+def steps_per_epoch(data, split: str, batch_size: int) -> int:
+    return max(1, math.ceil(data.count(split) / batch_size))
+
+
 def split_dataset(
     data,
     split: str,
@@ -113,15 +125,44 @@ def split_dataset(
     training: bool = False,
     seed: int = 0,
     augment: tuple[str, ...] = (),
+    epochs: tuple[int, int] | None = None,
 ) -> tf.data.Dataset:
-    """One split as batches of ``batch_size`` (the global batch); shuffled and augmented when ``training``."""
+    """One split as batches of ``batch_size`` (the global batch); shuffled and augmented when ``training``.
+
+    ``training``: epochs ``epochs = (first, end)`` (default: epoch 0 alone) one after the
+    other, ``steps_per_epoch`` batches each, every epoch shuffled and augmented with the
+    seed of (``seed``, epoch). Not from a generator that runs on across epochs: a run
+    resumed at epoch E then gets the order the uninterrupted run had at epoch E.
+    """
+    if not training:
+        if isinstance(data, EncodedImages):
+            ds = _encoded_split(data, split, None)
+        else:
+            x, y = data.split(split)
+            ds = tf.data.Dataset.from_tensor_slices((x, np.asarray(y, dtype=np.int64)))
+        return ds.batch(batch_size).prefetch(PREFETCH_BATCHES).with_options(_options())
+    first, end = epochs if epochs is not None else (0, 1)
     if isinstance(data, EncodedImages):
-        ds = _encoded_split(data, split, training, seed)
+        base = None
     else:
         x, y = data.split(split)
-        ds = tf.data.Dataset.from_tensor_slices((x, np.asarray(y, dtype=np.int64)))
-        if training:
-            ds = ds.shuffle(min(len(y), SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
-    if training and augment:
-        ds = _augment(ds, augment, data.input_shape, seed)
-    return ds.batch(batch_size).prefetch(PREFETCH_BATCHES).with_options(_options())
+        base = tf.data.Dataset.from_tensor_slices((x, np.asarray(y, dtype=np.int64)))
+        buffer = min(len(y), SHUFFLE_BUFFER)
+
+    def one_epoch(epoch: int) -> tf.data.Dataset:
+        key = epoch_seed(seed, epoch)
+        ds = _encoded_split(data, split, key) if base is None else base.shuffle(buffer, seed=key)
+        if augment:
+            ds = _augment(ds, augment, data.input_shape, key)
+        return ds.batch(batch_size)
+
+    # One dataset per epoch, each seeded by its number, read one after the other (Python-int
+    # seeds: a seed tensor inside the pipeline trips TF's own seed check when --seed is 0).
+    epochs_ds = [one_epoch(e) for e in range(first, end)]
+    if len(epochs_ds) == 1:
+        ds = epochs_ds[0]
+    else:
+        steps = steps_per_epoch(data, split, batch_size)
+        order = tf.data.Dataset.range(len(epochs_ds)).flat_map(lambda i: tf.data.Dataset.from_tensors(i).repeat(steps))
+        ds = tf.data.Dataset.choose_from_datasets(epochs_ds, order, stop_on_empty_dataset=False)
+    return ds.prefetch(PREFETCH_BATCHES).with_options(_options())
