@@ -337,44 +337,46 @@ def test_offline_device_without_pip_gets_every_wheel_pushed(cli, fleet, tmp_path
 
 
 def test_connect_retries_with_backoff_until_sshd_answers(fleet, tmp_path):
-    """A transient failure (nothing listens yet) is retried; the late sshd is reached."""
-    import threading
+    """A transient failure (nothing listens yet) is retried; the sshd started after the first
+    failed attempt (from the retry's own log record, not on a timer) is reached."""
+    import logging
 
     from edgeq.fleet.inventory import Device
     from edgeq.fleet.transport import connect
 
-    holder = {}
-    late_dir = tmp_path / "late"
-    port_box = {}
-
-    def start_late():
-        time.sleep(0.6)
-        holder["sshd"] = start_sshd(late_dir, fleet.client_pub, port=port_box["port"])
-
     from .conftest import free_port
 
-    port_box["port"] = free_port()
-    known = tmp_path / "known_hosts"
-    thread = threading.Thread(target=start_late)
-    thread.start()
+    port = free_port()
+    holder = {}
+
+    class StartOnRetry(logging.Handler):
+        def emit(self, record):
+            if "retry" in record.getMessage() and "sshd" not in holder:
+                holder["sshd"] = start_sshd(tmp_path / "late", fleet.client_pub, port=port)
+
+    logger = logging.getLogger("edgeq.fleet.transport")
+    handler, level = StartOnRetry(logging.WARNING), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
     device = Device(
         name="late",
         host="127.0.0.1",
-        port=port_box["port"],
+        port=port,
         user="root",
         identity_file=str(fleet.client_key),
-        known_hosts=str(known),
+        known_hosts=str(tmp_path / "known_hosts"),
         host_key_policy="accept-new",
         workdir=str(tmp_path / "w"),
     )
     try:
-        start = time.monotonic()
-        with connect(device, attempts=5, backoff_s=0.3) as transport:
+        with connect(device, attempts=3, backoff_s=0.05) as transport:
             assert transport.run(["uname", "-m"]).stdout.strip()
-        assert time.monotonic() - start >= 0.5
+        assert "sshd" in holder  # the first attempt failed and was retried
     finally:
-        thread.join()
-        holder["sshd"].kill()
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        if "sshd" in holder:
+            holder["sshd"].kill()
 
 
 def test_profile_on_with_compare_pushes_the_reference(cli, fleet, tmp_path, monkeypatch):

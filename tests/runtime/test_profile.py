@@ -85,10 +85,14 @@ def test_accuracy_without_labels_and_uint8_model(tmp_path):
 
 
 def test_peak_rss_reset_and_read():
+    """A 256 MiB array touched and freed raises the peak; the reset brings the peak back to what
+    the process holds now, so each profiled model's peak is its own."""
+    block = np.ones(256 << 17, dtype=np.float64)  # 256 MiB, every page written
+    del block
     before = peak_rss_mb()
-    assert before > 0
-    assert reset_peak_rss() in (True, False)
-    assert peak_rss_mb() <= before + 1
+    if not reset_peak_rss():
+        pytest.skip("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
+    assert peak_rss_mb() < before - 200, (before, peak_rss_mb())
 
 
 @pytest.fixture(scope="module")
