@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import DataError
-from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, float_samples, read_npz
+from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, class_labels, read_npz, samples
 
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train, val, test
 DEFAULT_CALIBRATION_SAMPLES = 200
@@ -331,11 +331,19 @@ def _resize_nearest(img: np.ndarray, h: int, w: int) -> np.ndarray:
     return img[rows][:, cols]
 
 
-def load_npz(path: str | Path, labels_required: bool = True, normalization: Normalization | None = None) -> Dataset:
-    """x (and y) from an .npz, read by the input contract (edgeq.runtime.inputs).
+def load_npz(
+    path: str | Path,
+    labels_required: bool = True,
+    normalization: Normalization | None = None,
+    input_shape: tuple | None = None,
+    int8_input: tuple[float, int] | None = None,
+) -> Dataset:
+    """x (and y) from an .npz, read by the input contract (edgeq.runtime.inputs.samples).
 
     ``normalization`` is the model's recorded one when the data is for a known model:
-    uint8 x is raw data it normalises, float x must lie in its float range.
+    uint8 x is raw data it normalises, float x must lie in its float range; int8 x is the
+    codes of an int8 model input (``int8_input`` = its scale and zero point). y: class ids,
+    or one-hot rows. (N, H, W) arrays for a model that takes (H, W, 1) get the channel axis.
     """
     path = Path(path)
     source = f"npz:{path}"
@@ -352,23 +360,15 @@ def load_npz(path: str | Path, labels_required: bool = True, normalization: Norm
             raise DataError(f"{path}: no labels: save them as array 'y' (class indices)")
         y = np.zeros(len(x), dtype=np.int64)
     else:
-        y = arrays["y"]
-        if not np.issubdtype(y.dtype, np.integer):
-            if np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0):
-                y = y.astype(np.int64)
-            else:
-                raise DataError(f"{path}: 'y' must hold integer class indices, got dtype {y.dtype}")
+        y = class_labels(arrays["y"], len(x), str(path))
     if x.dtype == np.uint8:
         recorded = normalization if normalization is not None and normalization.raw_max is not None else UINT8_IMAGES
-    elif np.issubdtype(x.dtype, np.number):
-        if np.issubdtype(x.dtype, np.integer):
-            x = x.astype(np.float32)  # integer class-like values other than uint8: taken as float samples
-        float_samples(x, normalization, str(path), check_finite=False)  # a range that is not the model's
-        recorded = normalization if normalization is not None else Normalization()  # already float samples
     else:
-        raise DataError(f"{path}: 'x' must be numeric, got dtype {x.dtype}")
-    x = float_samples(x, recorded, str(path)) if x.dtype == np.uint8 else x  # raw beyond the model's raw range
-    if x.ndim == 3:  # (N, H, W) grey images: add the channel axis
+        recorded = normalization if normalization is not None else Normalization()  # float samples already
+    # finiteness is checked by the dataset, which names the split and the sample
+    x = samples(x, normalization, str(path), int8_input=int8_input, check_finite=False)
+    wants_channel = input_shape is not None and len(input_shape) == x.ndim and int(input_shape[-1] or 0) == 1
+    if (input_shape is None and x.ndim == 3) or wants_channel:  # (N, H, W) grey images: add the channel axis
         x = x[..., None]
     return _make(source, x, y, recorded, normalized=True)
 
@@ -641,11 +641,13 @@ def load_dataset(
     input_shape: tuple | None = None,
     labels_required: bool = True,
     normalization: Normalization | None = None,
+    int8_input: tuple[float, int] | None = None,
 ) -> Dataset:
     """Resolve a source string to a Dataset. ``input_shape`` (H, W, C) sizes image folders.
 
     ``normalization``: the model's recorded one, when the data feeds a known model (eval,
     analyze of a converted run): raw files are read in its units and checked against it.
+    ``int8_input``: (scale, zero point) of an int8 model input, whose codes int8 arrays are.
     """
     source = str(source).strip()
     if not source:
@@ -654,10 +656,9 @@ def load_dataset(
         return load_digits_dataset()
     if source.startswith("synthetic:"):
         return load_synthetic(source)
-    if source.startswith("npz:"):
-        return load_npz(source[4:], labels_required, normalization)
-    if source.endswith(".npz"):
-        return load_npz(source, labels_required, normalization)
+    if source.startswith("npz:") or source.endswith(".npz"):
+        path = source[4:] if source.startswith("npz:") else source
+        return load_npz(path, labels_required, normalization, input_shape, int8_input)
     if source.startswith(("images:", "tfrecord:")):
         size = tuple(input_shape[:2]) if input_shape else None
         channels = int(input_shape[2]) if input_shape and len(input_shape) > 2 else 3

@@ -87,7 +87,13 @@ def evaluate(
     from edgeq.runtime.inputs import normalization_beside
 
     # raw files in the model's units (its manifest), float files checked against them
-    dataset = load_dataset(data, input_shape=input_shape, normalization=normalization_beside(model))
+    inp = quantized.input
+    dataset = load_dataset(
+        data,
+        input_shape=input_shape,
+        normalization=normalization_beside(model),
+        int8_input=(inp.scale, inp.zero_point) if inp.dtype == "int8" else None,  # int8 x: this input's codes
+    )
     dataset.check_fits(input_shape, where=f"model {model}")
     x, y = dataset.split(split)
     got = quantized.predict(x, batch_size=1)

@@ -145,8 +145,10 @@ def test_contract_edges():
         float_samples(np.array([[0, 255]], np.uint8), digits, "x.npz")
     with pytest.raises(DataError, match="NaN or infinity"):
         float_samples(np.array([[0.0, np.nan]], np.float32), digits, "x.npz")
-    with pytest.raises(DataError, match="dtype is int32"):
-        float_samples(np.array([[1, 2]], np.int32), digits, "x.npz")
+    with pytest.raises(DataError, match="dtype is int8"):  # codes: only where an int8 input reads them
+        float_samples(np.array([[1, 2]], np.int8), digits, "x.npz")
+    # other integers are float samples stored as integers, checked against the float range
+    np.testing.assert_array_equal(float_samples(np.array([[0, 1]], np.int32), digits, "x"), [[0.0, 1.0]])
     # uint8 without a recorded normalisation: 8-bit images, 0..255 -> 0..1
     np.testing.assert_allclose(float_samples(np.array([[0, 255]], np.uint8), None, "x"), [[0.0, 1.0]])
     # int8 codes pass unchanged into an int8 input, and are refused by a uint8 one
@@ -154,3 +156,40 @@ def test_contract_edges():
     assert model_inputs(codes, "int8", 0.1, 3, digits, "x").tobytes() == codes.tobytes()
     with pytest.raises(DataError, match="codes of an int8 model input"):
         model_inputs(codes, "uint8", 0.1, 3, digits, "x")
+
+
+def test_one_npz_means_the_same_on_the_host_and_on_the_device(digits_int8, digits_files, tmp_path):
+    """int8 codes of the model's input, float samples stored as int16, one-hot labels and (N, H, W)
+    grey images: the host's reader (eval, calibration) and the device's (profile, verify) take
+    each file the same way, sample for sample (before, the host read int8 codes as float values
+    and crashed on one-hot labels, while the device took both)."""
+    from edgeq.data import load_dataset
+    from edgeq.runtime.inputs import normalization_beside
+    from edgeq.runtime.interpreter import TFLiteModel
+    from edgeq.runtime.profile import load_npz as device_reader
+
+    model = TFLiteModel(digits_int8.path)
+    inp = model.input
+    with np.load(digits_files["raw"]) as npz:
+        raw, y = npz["x"], npz["y"]
+    files = {
+        "codes": (quantize_input(raw / np.float32(16), "int8", inp.scale, inp.zero_point), y),
+        "int16": ((raw > 8).astype(np.int16), y),
+        "onehot": (raw, np.eye(10, dtype=np.float32)[y]),
+        "grey": (raw[..., 0], y),
+    }
+    for name, (x, labels) in files.items():
+        path = tmp_path / f"{name}.npz"
+        np.savez(path, x=x, y=labels)
+        host = load_dataset(
+            f"npz:{path}",
+            input_shape=(8, 8, 1),
+            normalization=normalization_beside(digits_int8.path),
+            int8_input=(inp.scale, inp.zero_point),
+        )
+        device = device_reader(path, inp, normalization=normalization_beside(digits_int8.path))
+        host_rows = sorted(
+            (row.tobytes(), int(label)) for split in ("train", "val", "test") for row, label in zip(*host.split(split))
+        )
+        device_rows = sorted((row.tobytes(), int(label)) for row, label in zip(device.x, device.y))
+        assert host_rows == device_rows, name

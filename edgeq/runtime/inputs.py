@@ -87,7 +87,8 @@ def float_samples(
     """Float samples from raw uint8 or float data, checked against ``normalization``.
 
     ``normalization`` is the model's recorded one (None: not known; uint8 is then taken as
-    8-bit images, 0-255 -> 0-1).
+    8-bit images, 0-255 -> 0-1). Other integer arrays (int16, int32, ...) are float samples
+    stored as integers, checked the same way; int8 arrays are input codes (``samples``).
     """
     x = np.asarray(x)
     if x.dtype == np.uint8:
@@ -99,7 +100,7 @@ def float_samples(
                 "give data in the units the model was trained on"
             )
         return norm.apply(x)
-    if not np.issubdtype(x.dtype, np.floating):
+    if x.dtype == np.int8 or not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
         raise DataError(
             f"{where}: the inputs' dtype is {x.dtype}; give raw uint8 data, float samples (normalised as in training) "
             "or, for a model with an int8 input, its int8 codes"
@@ -124,6 +125,53 @@ def float_samples(
                 f"uint8 (edgeq normalises it), or normalise the floats the same way"
             )
     return x
+
+
+def samples(
+    x: np.ndarray,
+    normalization: Normalization | None,
+    where: str,
+    int8_input: tuple[float, int] | None = None,
+    check_finite: bool = True,
+) -> np.ndarray:
+    """The one meaning of an input array, on the host and on the device: float samples.
+
+    uint8 is raw data (``normalization`` makes float samples of it); float, and integers
+    other than int8, are float samples already (checked against ``normalization``'s
+    range); int8 is the codes of an int8 model input, ``int8_input`` = (scale, zero point),
+    dequantized here (quantizing them again gives back the same codes). Where no int8 input
+    is known (training, calibration of a float model), int8 data is refused.
+    """
+    x = np.asarray(x)
+    if x.dtype == np.int8:
+        if int8_input is None:
+            raise DataError(
+                f"{where}: int8 arrays are the codes of an int8 model input, but no int8 model reads them here; "
+                "give raw uint8 data or float samples"
+            )
+        return dequantize_input(x, *int8_input)
+    return float_samples(x, normalization, where, check_finite=check_finite)
+
+
+def class_labels(y: np.ndarray, count: int, where: str, key: str = "y") -> np.ndarray:
+    """Class ids (N,) from ids (N,) or (N, 1), whole-valued floats, or one-hot rows (N, K)."""
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    elif y.ndim == 2 and y.shape[1] > 1:
+        if not (np.all((y == 0) | (y == 1)) and np.all(y.sum(axis=1) == 1)):
+            raise DataError(f"{where}: labels {key!r} of shape {y.shape} are not one-hot rows (one 1 per row)")
+        y = np.argmax(y, axis=1)
+    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise DataError(f"{where}: labels {key!r} must be class ids (N,) or one-hot (N, C), got {y.dtype} {y.shape}")
+    if len(y) != count:
+        raise DataError(f"{where}: {len(y)} labels in {key!r} for {count} inputs")
+    if np.issubdtype(y.dtype, np.floating) and not np.all(np.mod(y, 1) == 0):
+        raise DataError(f"{where}: labels {key!r} must hold integer class indices, got dtype {y.dtype}")
+    y = y.astype(np.int64)
+    if y.size and y.min() < 0:
+        raise DataError(f"{where}: labels {key!r} must be class indices >= 0")
+    return y
 
 
 def model_inputs(
@@ -169,6 +217,8 @@ def samples_for(arrays: dict[str, np.ndarray], name: str, shape: tuple[int, ...]
     x = arrays[name]
     if tuple(x.shape) == tuple(shape):
         x = x[None]
+    if len(shape) >= 2 and shape[-1] == 1 and tuple(x.shape[1:]) == tuple(shape[:-1]):
+        x = x[..., None]  # (N, H, W) grey images for a model that takes (H, W, 1)
     if x.ndim != len(shape) + 1 or tuple(x.shape[1:]) != tuple(shape):
         raise DataError(
             f"{path}: {name} has shape {tuple(x.shape)} but the model takes (N, {', '.join(map(str, shape))})"

@@ -32,13 +32,13 @@ from edgeq.metrics import accuracy, class_scores, compare_outputs
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
     Normalization,
-    float_samples,
-    model_inputs,
+    class_labels,
     normalization_beside,
     read_npz,
+    samples,
     samples_for,
 )
-from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, dequantize, quantize
+from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, quantize
 
 log = logging.getLogger(__name__)
 
@@ -375,28 +375,16 @@ def load_npz(
     arrays = read_npz(path)
     content = path.read_bytes()
     x = samples_for(arrays, inputs, tuple(model_input.shape[1:]), path)
-    if x.dtype == np.int8:  # the input's codes: dequantized here, predict quantizes them back exactly
-        codes = model_inputs(x, model_input.dtype, model_input.scale, model_input.zero_point, None, str(path))
-        x = dequantize(codes, model_input)
-    else:  # raw uint8 or float samples -> float samples (a --compare FP32 model gets these too)
-        x = float_samples(x, normalization, str(path))
-
+    # the one input contract: raw uint8, float samples, or the codes of an int8 input (dequantized
+    # here; predict quantizes them back to the same codes). A --compare FP32 model gets these too.
+    int8_input = (model_input.scale, model_input.zero_point) if model_input.dtype == "int8" else None
+    x = samples(x, normalization, str(path), int8_input=int8_input)
     key = labels if labels is not None else ("y" if "y" in arrays else None)
     y = None
     if key is not None:
         if key not in arrays:
             raise DataError(f"{path}: labels missing: no array {key!r} (it has {', '.join(sorted(arrays))})")
-        y = arrays[key]
-        if y.ndim == 2 and y.shape[1] > 1:  # one-hot
-            y = np.argmax(y, axis=1)
-        y = y.reshape(len(y)) if y.ndim == 2 and y.shape[1] == 1 else y
-        if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
-            raise DataError(f"{path}: labels {key!r} must be class ids (N,) or one-hot (N, C), got {y.dtype} {y.shape}")
-        if len(y) != len(x):
-            raise DataError(f"{path}: {len(y)} labels in {key!r} for {len(x)} inputs")
-        if np.issubdtype(y.dtype, np.floating) and not np.all(np.equal(np.mod(y, 1), 0)):
-            raise DataError(f"{path}: labels {key!r} are not whole class ids")
-        y = y.astype(np.int64)
+        y = class_labels(arrays[key], len(x), str(path), key)
     info = DataInfo(str(path), sha256_bytes(content), int(len(x)), key)
     return Dataset(x, y, info)
 

@@ -72,7 +72,7 @@ def _bad_inputs(tmp_path):
     wrong_shape = tmp_path / "shape.npz"
     np.savez(wrong_shape, x=np.zeros((4, 28, 28, 1), np.float32), y=np.zeros(4, np.int64))
     wrong_dtype = tmp_path / "dtype.npz"
-    np.savez(wrong_dtype, x=np.zeros((4, 8, 8, 1), np.int64))
+    np.savez(wrong_dtype, x=np.zeros((4, 8, 8, 1), np.complex64))
     unlabelled = tmp_path / "unlabelled.npz"
     np.savez(unlabelled, x=np.zeros((4, 8, 8, 1), np.float32))
     bad_scale = tmp_path / "bad_scale.tflite"  # this one crashed LiteRT's allocate_tensors
@@ -93,7 +93,7 @@ def _bad_inputs(tmp_path):
         "custom-op": (["profile", CUSTOM_OP], "custom op(s) EdgeqUnknownOp"),
         "edgetpu-compiled": (["profile", EDGETPU], "compiled for the Coral Edge TPU"),
         "npz-shape": (["profile", INT8, "--data", wrong_shape], "has shape (4, 28, 28, 1)"),
-        "npz-dtype": (["profile", INT8, "--data", wrong_dtype], "is int64"),
+        "npz-dtype": (["profile", INT8, "--data", wrong_dtype], "is complex64"),
         "labels-missing": (["profile", INT8, "--data", unlabelled, "--labels", "y"], "labels missing"),
         "edgetpu-delegate": (["profile", INT8, "--delegate", "edgetpu"], "deploy/CORAL.md"),
         "delegate-library": (["profile", INT8, "--delegate", fake_delegate], "cannot be loaded"),

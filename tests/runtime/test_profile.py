@@ -105,7 +105,7 @@ def test_npz_checks(tmp_path, model_input):
     y = np.load(DIGITS)["y"][:10]
     cases = {
         "shape": (dict(x=x[:, :4]), None, "has shape"),
-        "dtype": (dict(x=x.astype(np.int64)), None, "is int64"),
+        "dtype": (dict(x=x.astype(np.complex64)), None, "is complex64"),
         "no-x": (dict(images=x), None, "no array 'x'"),
         "labels-missing": (dict(x=x), "labels", "labels missing"),
         "label-count": (dict(x=x, y=y[:5]), None, "5 labels"),
