@@ -141,9 +141,10 @@ def test_plan_meets_the_budget_and_keeps_every_other_layer_integer(cli, outlier_
     # bit-exact from run to run, and int8 conv3/head may flip one sample
     assert saved["met"] and saved["drop_pp"] <= 2
     kept_float = set(saved["layers"])
-    # full INT8 missed the budget: every layer was ranked, and the float ones came first
-    assert len(saved["ranking"]) >= 4 and set(saved["ranking"][: len(kept_float)]) == kept_float, saved["ranking"]
-    assert "conv1" in kept_float and kept_float <= {"conv1", "conv2"}
+    # full INT8 missed the budget: every layer was ranked; conv1 and conv2 are only good float together
+    # (each alone gains nothing), so layers the greedy pass kept on the way are given back to int8
+    assert len(saved["ranking"]) >= 4 and kept_float <= set(saved["ranking"]), saved["ranking"]
+    assert kept_float == {"conv1", "conv2"}, saved["frontier"]
     assert len(saved["frontier"]) >= 2 and (tmp_path / "frontier.png").is_file()
     shown = cli("report", plan, "--out", tmp_path / "plan.html")  # the plan's section of `edgeq report`
     assert shown.exit_code == 0, shown.output

@@ -92,7 +92,17 @@ def make_plan(
             break
         chosen.append(layer)
         frontier.append(measure(chosen))
-    meeting = [p for p in frontier if p.drop_pp <= max_drop_pp]
+    if len(chosen) > 1 and frontier[-1].drop_pp <= max_drop_pp:
+        # Each layer's own gain misses interactions (two layers that are only good float together
+        # each gain nothing alone), so the greedy pass may keep layers float that the budget does
+        # not need: give back, last kept first, every one whose return to int8 still meets it.
+        for layer in reversed(chosen[:-1]):
+            trial = [name for name in chosen if name != layer]
+            point = measure(trial)
+            frontier.append(point)
+            if point.drop_pp <= max_drop_pp:
+                chosen = trial
+    meeting = sorted((p for p in frontier if p.drop_pp <= max_drop_pp), key=lambda p: (len(p.float_layers), p.drop_pp))
     best = meeting[0] if meeting else max(frontier, key=lambda p: (p.accuracy, -len(p.float_layers)))
     if int4 and meeting:
         # INT4 weights wherever the budget still holds, least sensitive layers first.
