@@ -123,7 +123,7 @@ ROUNDING_METHODS = (*ROUNDINGS, "adaround")  # adaround: edgeq.transforms.adarou
 class Verification:
     samples: int
     data: str  # where the samples came from
-    agreement: float  # top-1 agreement with the source model
+    agreement: float | None  # top-1 agreement with the source model (None: no output is classes)
     max_abs_error: float
     mean_abs_error: float
     sqnr_db: float
@@ -132,6 +132,7 @@ class Verification:
     integer_only: bool
     passed: bool
     classes: int | None = None  # classes among the samples (None: unlabelled or not class ids)
+    outputs: tuple[dict, ...] = ()  # each output by name: task, SQNR, its threshold, agreement, passed
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class ConversionResult:
     source_is_qat: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
     edgetpu: dict | None = None  # compatibility check and compiler result, with --edgetpu
+    outputs: tuple[dict, ...] = ()  # each output: name, task, dtype, quantization
 
 
 def manifest_path(model_path: str | Path) -> Path:
@@ -195,8 +197,9 @@ def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_q
         notes.append(f"calibration/verification data taken from the training run: {spec}")
     normalization = recorded_normalization(source_path)
     # raw files in the units the model was trained in; float files checked against them
-    dataset = load_dataset(spec, tuple(model_input_shape), labels_required=False, normalization=normalization)
-    dataset.check_fits(tuple(model_input_shape), where=f"model {source_path}")
+    shape = model_input_shape if isinstance(model_input_shape, dict) else tuple(model_input_shape)
+    dataset = load_dataset(spec, shape, labels_required=False, normalization=normalization)
+    dataset.check_fits(shape, where=f"model {source_path}")
     dataset.check_finite()
     return dataset, spec
 
@@ -212,6 +215,7 @@ def _converter(
     static_batch: bool = False,
 ):
     from edgeq.compat import tf
+    from edgeq.model_io import input_names
     from edgeq.shims.tflite import disable_per_channel, keras_converter
 
     converter = keras_converter(model, static_batch)  # static: the Edge TPU compiler wants every shape fixed
@@ -227,7 +231,7 @@ def _converter(
     if dataset is not None:
         # A QAT model takes its ranges from the fake-quant ops; TF 2.21 still insists on a
         # representative dataset for full-integer modes, so one is always given.
-        converter.representative_dataset = dataset.representative_dataset(samples)
+        converter.representative_dataset = dataset.representative_dataset(samples, order=input_names(model))
     if granularity == "per-tensor":
         if is_qat:
             raise UsageError(
@@ -294,7 +298,7 @@ class ConvertOptions:
     calib_samples: int = DEFAULT_CALIBRATION_SAMPLES
     granularity: str = "per-channel"  # PTQ weights: per-channel | per-tensor
     io_type: str = "int8"  # --int8-only I/O: int8 | uint8
-    min_sqnr_db: float | None = None  # verification threshold; None: the mode's
+    min_sqnr_db: float | str | None = None  # verification threshold (dB, or NAME=DB,...); None: the mode's
     edgetpu: bool = False
     equalize: bool = False
     plan: str | None = None  # layer-wise plan (analyze plan): those layers stay float
@@ -305,6 +309,8 @@ class ConvertOptions:
     rounding: str = "nearest"  # edgeq's PTQ weight rounding: nearest | stochastic | adaround
     seed: int = 0  # stochastic rounding's and AdaRound's seed (recorded in the manifest)
     ptq_target_db: float | None = None  # --ptq auto stops at the first candidate this good; None: min_sqnr_db
+    input_shape: str | None = None  # --input-shape HxWxC (or NAME=HxWxC,...): fixes a fully convolutional input
+    task: str | None = None  # --task KIND | NAME=KIND,... | tasks.json: what each output is (else inferred)
 
     def __post_init__(self):
         try:
@@ -361,7 +367,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     Returns the written model's description; raises ConversionError (IntegerOnlyError
     for float ops in an integer-only model) and leaves nothing on disk when it fails.
     """
-    from edgeq.model_io import as_tf_keras
+    from edgeq.model_io import as_tf_keras, concatenated_outputs, input_shapes, output_specs, with_input_shape
     from edgeq.train.schemes import is_qat_model
 
     options = options or ConvertOptions()
@@ -369,9 +375,13 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     calib, calib_samples, granularity = options.calib, options.calib_samples, options.granularity
     io_type, equalize, plan, bias_correct = options.io_type, options.equalize, options.plan, options.bias_correct
     keras_model, source_path = _load_source(model)
-    reference_model = keras_model  # verification compares with this, whatever --equalize/--bias-correct change
     source_name = str(source_path) if source_path else keras_model.name
     is_qat = is_qat_model(keras_model)
+    if options.input_shape:
+        if is_qat:
+            raise UsageError(f"{source_name}: a QAT model keeps the shape it trained with: edgeq train --input-shape")
+        keras_model = with_input_shape(keras_model, options.input_shape, source_name)
+    reference_model = keras_model  # verification compares with this, whatever --equalize/--bias-correct change
     notes: list[str] = []
     if is_qat:
         keras_model, is_qat = _sixteen_bit_qat(keras_model, source_path, spec, notes)
@@ -379,17 +389,32 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         raise UsageError(
             f"{source_name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
         )
+    shapes = input_shapes(keras_model)
+    free = {name: shape for name, shape in shapes.items() if any(d is None for d in shape)}
+    if free:
+        name, shape = next(iter(free.items()))
+        example = "x".join(str(d if d is not None else 224) for d in shape)
+        example = example if len(shapes) == 1 else f"{name}={example}"
+        raise ConversionError(
+            f"{source_name}: input {name!r} has shape {tuple(shape)}, with free dimensions (a fully convolutional "
+            f"model): fix them for your camera with --input-shape {example}"
+        )
+    single_io = len(shapes) == 1 and len(keras_model.outputs) == 1
+    if (equalize or plan or bias_correct or options.ptq not in ("auto", "converter")) and not single_io:
+        raise UsageError(
+            f"{source_name} has {len(shapes)} input(s) and {len(keras_model.outputs)} output(s): --equalize, "
+            "--bias-correct, --plan and --ptq METHOD take one-input one-output models; convert it with --ptq "
+            "auto|converter (the converter's ranges)"
+        )
     if equalize or plan or bias_correct:  # graph transforms work on tf_keras: a Keras 3 model is translated
         keras_model = as_tf_keras(keras_model)
-    input_shape = tuple(keras_model.input_shape[1:])
-    if any(d is None for d in input_shape):
-        raise ConversionError(f"{source_name}: input shape {input_shape} is not static: give the Input a fixed shape")
+    input_shape = next(iter(shapes.values())) if len(shapes) == 1 else shapes
     out = Path(out) if out else default_output(source_path or Path(f"{keras_model.name}.keras"), spec.mode)
     if out.suffix != ".tflite":
         raise UsageError(f"{out}: the output must end in .tflite")
 
     dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
-    hint = _input_rescaling_hint(keras_model, dataset, calib_samples) if dataset is not None else None
+    hint = _input_rescaling_hint(keras_model, dataset, calib_samples) if dataset is not None and single_io else None
     if hint:
         notes.append(hint)
     if equalize:
@@ -439,7 +464,14 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     if dataset is not None and dataset.count("train") == 0:
         raise DataError(f"calibration data {data_spec!r} is empty")
 
-    searching = spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter"
+    searching = spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter" and single_io
+    if spec.calibrate and not is_qat and not single_io and options.ptq == "auto":
+        notes.append("--ptq auto: the converter's ranges (edgeq's range methods take one-input one-output models)")
+    outputs = output_specs(reference_model, options.task, source_path, dataset)
+    if dataset is not None:
+        for warning in concatenated_outputs(reference_model, dataset.calibration_samples(min(calib_samples, 64))):
+            log.warning("%s", warning)
+            notes.append(warning)
     # Held-out samples: a --ptq search chooses on one part, verification gates on another.
     held = dataset.held_out(VERIFY_SAMPLES, select=VERIFY_SAMPLES if searching and not plan else 0) if dataset else None
     started = time.perf_counter()
@@ -471,7 +503,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
     try:
         verification = _verify(
-            tflite, reference_model, spec, held, data_spec, io_type, source_name, options.min_sqnr_db
+            tflite, reference_model, spec, held, data_spec, io_type, source_name, options.min_sqnr_db, outputs
         )
     except ConversionError as exc:
         if hint:  # the likeliest cause of a failed verification, said in the same line
@@ -493,12 +525,22 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         "sha256": sha256_bytes(flatbuffer),
         "size_bytes": len(flatbuffer),
         "input": asdict(tflite.input),
-        "output": asdict(tflite.output),
+        "output": asdict(tflite.output_named(outputs[0].name)),
+        # every tensor by its name (the Keras model's = the .tflite signature's), with what it means
+        "inputs": [{**asdict(t), "name": n, "tensor": t.name} for n, t in zip(tflite.input_names, tflite.inputs)],
+        "outputs": [
+            {
+                **o.to_dict(),
+                **{k: v for k, v in asdict(tflite.output_named(o.name)).items() if k != "name"},
+                "tensor": tflite.output_named(o.name).name,
+            }
+            for o in outputs
+        ],  # fmt: skip
         "normalization": normalization.to_dict(),
         # the input contract (edgeq.runtime.inputs): float sample = raw * scale + offset; the model's
         # integer input = clamp(round(float sample / input scale) + zero point), rounded like TFLite
         "input_rounding": INPUT_ROUNDING,
-        "num_classes": int(tflite.output.shape[-1]) if tflite.output.shape else None,
+        "num_classes": _num_classes(outputs),
         "source": {
             "path": str(source_path) if source_path else None,
             "sha256": sha256_file(source_path) if source_path else None,
@@ -533,6 +575,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         sha256=manifest["sha256"],
         input=manifest["input"],
         output=manifest["output"],
+        outputs=tuple(manifest["outputs"]),
         ops=op_counts,
         verification=verification,
         source_is_qat=is_qat,
@@ -896,13 +939,50 @@ def _edgetpu(path: Path, flatbuffer: bytes, notes: list[str]) -> dict:
     return result
 
 
-def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db) -> Verification:
+def _min_sqnr(spec: ModeSpec, value, names: list[str]) -> dict[str, float]:
+    """Each output's verification threshold: the mode's, ``--min-sqnr DB`` for all, or NAME=DB,..."""
+    thresholds = dict.fromkeys(names, spec.min_sqnr_db)
+    if value is None or value == "":
+        return thresholds
+    if isinstance(value, (int, float)):
+        return dict.fromkeys(names, float(value))
+    text = str(value)
+    if "=" not in text:
+        try:
+            return dict.fromkeys(names, float(text))
+        except ValueError:
+            raise UsageError(f"--min-sqnr {text!r}: give dB (e.g. 12) or NAME=DB,NAME=DB") from None
+    for item in text.split(","):
+        name, _, db = item.partition("=")
+        if name.strip() not in thresholds:
+            raise UsageError(f"--min-sqnr names output {name.strip()!r}; the model's outputs are {', '.join(names)}")
+        try:
+            thresholds[name.strip()] = float(db)
+        except ValueError:
+            raise UsageError(f"--min-sqnr {item!r}: the threshold must be a number of dB") from None
+    return thresholds
+
+
+def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db, outputs) -> Verification:
+    """The converted model against the source, output by output (matched by name, never position)."""
+    from edgeq.model_io import input_names, keras_outputs
+    from edgeq.tasks import compare
+
+    names = [o.name for o in outputs]
+    missing = [n for n in names if n not in tflite.output_names]
+    if missing:
+        raise ConversionError(
+            f"{source_name}: the .tflite has no output named {', '.join(missing)} (its outputs: "
+            f"{', '.join(tflite.output_names)}); convert the model with edgeq, which names them as Keras does"
+        )
     expected_io = io_type if spec.integer_io else "float32"
-    for kind, tensor in (("input", tflite.input), ("output", tflite.output)):
+    tensors = [("input", n, t) for n, t in zip(tflite.input_names, tflite.inputs)]
+    tensors += [("output", n, t) for n, t in zip(tflite.output_names, tflite.outputs)]
+    for kind, name, tensor in tensors:
         if tensor.dtype != expected_io:
             raise ConversionError(
-                f"{source_name}: mode {spec.mode.value} promised {expected_io} {kind} "
-                f"but the converter wrote {tensor.dtype}"
+                f"{source_name}: mode {spec.mode.value} promised {expected_io} {kind}s "
+                f"but the converter wrote {tensor.dtype} for {kind} {name!r}"
             )
     floats = float_ops(tflite)
     if spec.integer_only and floats:
@@ -920,34 +1000,76 @@ def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, mi
             source += f"; {classes} of {held.classes_in_split} classes"
     else:
         rng = np.random.default_rng(0)
-        x = rng.uniform(0.0, 1.0, size=(32,) + tuple(tflite.input.shape[1:])).astype(np.float32)
+        x = {
+            n: rng.uniform(0.0, 1.0, size=(32, *tflite.input_named(n).shape[1:])).astype(np.float32)
+            for n in input_names(keras_model)
+        }
+        x = next(iter(x.values())) if len(x) == 1 else x
         source = "random uniform [0, 1) inputs (no data given)"
-    reference = keras_model.predict(x, batch_size=64, verbose=0)
-    got = tflite.predict(x, batch_size=1)
-    if got.shape != reference.shape:
-        raise ConversionError(f"{source_name}: TFLite output shape {got.shape} differs from Keras {reference.shape}")
-    if not np.all(np.isfinite(got)):
-        raise ConversionError(f"{source_name}: the converted model produces NaN/inf outputs")
-    cmp = compare_outputs(reference, got)
-    threshold = spec.min_sqnr_db if min_sqnr_db is None else float(min_sqnr_db)
-    passed = cmp.sqnr_db >= threshold
+    reference = keras_outputs(keras_model, x)
+    got = tflite.predict_outputs(x, batch_size=1)
+    thresholds = _min_sqnr(spec, min_sqnr_db, names)
+    per_output, failed = [], []
+    for o in outputs:
+        ref = np.asarray(reference[o.name])
+        if got[o.name].shape != ref.shape:
+            raise ConversionError(
+                f"{source_name}: TFLite output {o.name!r} has shape {got[o.name].shape}, Keras {ref.shape}"
+            )
+        if not np.all(np.isfinite(got[o.name])):
+            raise ConversionError(f"{source_name}: the converted model's output {o.name!r} holds NaN/inf")
+        cmp = compare(o, ref, got[o.name])
+        ok = cmp.sqnr_db >= thresholds[o.name]
+        per_output.append(
+            {
+                "name": o.name,
+                "task": o.kind,
+                "sqnr_db": cmp.sqnr_db,
+                "min_sqnr_db": thresholds[o.name],
+                "agreement": cmp.agreement if np.isfinite(cmp.agreement) else None,
+                "max_abs_error": cmp.max_abs_error,
+                "mean_abs_error": cmp.mae,
+                "cosine": cmp.cosine,
+                "passed": bool(ok),
+            }
+        )
+        if not ok:
+            failed.append(f"{o.name} {cmp.sqnr_db:.1f} dB < {thresholds[o.name]:.1f}")
+    first = per_output[0]
+    agreements = [p["agreement"] for p in per_output if p["agreement"] is not None]
     verification = Verification(
-        samples=len(x),
+        samples=_count(x),
         data=source,
-        agreement=cmp.agreement,
-        max_abs_error=cmp.max_abs_error,
-        mean_abs_error=cmp.mae,
-        sqnr_db=cmp.sqnr_db,
-        min_sqnr_db=threshold,
+        agreement=agreements[0] if agreements else None,
+        max_abs_error=max(p["max_abs_error"] for p in per_output),
+        mean_abs_error=first["mean_abs_error"],
+        sqnr_db=min(p["sqnr_db"] for p in per_output),
+        min_sqnr_db=first["min_sqnr_db"] if len(set(thresholds.values())) == 1 else min(thresholds.values()),
         float_ops=tuple(floats),
         integer_only=not floats,
-        passed=passed,
+        passed=not failed,
         classes=classes,
+        outputs=tuple(per_output),
     )
-    if not passed:
+    if failed:
+        what = "output SQNR" if len(outputs) == 1 else "output SQNR of " + ", ".join(f.split()[0] for f in failed)
+        agreement = f" (top-1 agreement {verification.agreement:.1%})" if verification.agreement is not None else ""
         raise ConversionError(
-            f"{source_name}: verification failed: output SQNR {cmp.sqnr_db:.1f} dB vs the Keras model is below "
-            f"{threshold:.1f} dB (top-1 agreement {cmp.agreement:.1%}); try QAT (edgeq train), per-channel, or "
-            "--min-sqnr to accept it"
+            f"{source_name}: verification failed: {what} vs the Keras model is below the threshold "
+            f"({'; '.join(failed)}){agreement}; try QAT (edgeq train), per-channel, or --min-sqnr to accept it"
         )
     return verification
+
+
+def _count(x) -> int:
+    return len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
+
+
+def _num_classes(outputs) -> int | None:
+    """Classes of the first classifier output (None: the model has none)."""
+    for o in outputs:
+        if o.kind == "classification":
+            return int(np.prod(o.shape)) if o.shape else None
+        if o.kind == "binary":
+            return 2
+    return None

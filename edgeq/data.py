@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import DataError
-from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, class_labels, read_npz, samples
+from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, class_labels, holds_class_ids, read_npz, samples
 
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train, val, test
 DEFAULT_CALIBRATION_SAMPLES = 200
@@ -60,7 +60,7 @@ def spread_order(labels, seed: int = 0) -> np.ndarray:
 def alternate_halves(labels, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``order`` (from ``spread_order``) dealt into two disjoint halves, each class's samples
     alternately to one and the other, so both halves stay stratified, in that order."""
-    y = _class_ids(labels)
+    y = _class_ids(labels) if labels is not None else None
     if y is None:
         return order[0::2], order[1::2]
     rank = np.empty(len(order), dtype=np.int64)
@@ -73,7 +73,7 @@ def alternate_halves(labels, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 def classes_covered(labels, indices) -> int | None:
     """How many classes the samples at ``indices`` hold (None for labels that are not class ids)."""
-    y = _class_ids(labels)
+    y = _class_ids(labels) if labels is not None else None
     return None if y is None else len(np.unique(y[np.asarray(indices, dtype=np.int64)]))
 
 
@@ -87,37 +87,76 @@ class HeldOut:
     classes: int | None  # classes among x (None: no class labels)
     classes_select: int | None
     classes_in_split: int | None
+    indices: np.ndarray | None = None  # of x in its split
+    indices_select: np.ndarray | None = None
+
+
+def rows(x, indices):
+    """The samples at ``indices`` of one input array or of a dict of them (one per input name)."""
+    return {k: v[indices] for k, v in x.items()} if isinstance(x, dict) else x[indices]
+
+
+def size(x) -> int:
+    """How many samples one input array (or a dict of them) holds."""
+    if isinstance(x, dict):
+        return len(next(iter(x.values()))) if x else 0
+    return len(x)
 
 
 class _Splits:
-    """What every dataset offers, on top of its x_/y_ train, val and test splits."""
+    """What every dataset offers, on top of its x_/y_ train, val and test splits.
+
+    ``x_*`` is an array (N, ...) or, for a model with several inputs, a dict of them by input
+    name; ``y_*`` is class ids (N,), float targets (N, ...), a dict of targets by output name,
+    or zeros where the data has no labels (``labelled`` False).
+    """
 
     source: str
     num_classes: int
     normalization: Normalization
+    labelled: bool = True
 
     def count(self, split: str) -> int:
-        return len(getattr(self, f"y_{split}"))
+        return size(getattr(self, f"x_{split}"))
 
-    def take(self, split: str, indices: np.ndarray) -> np.ndarray:
+    def take(self, split: str, indices: np.ndarray):
         """The samples of ``split`` at ``indices`` (sorted), without reading the rest."""
-        return getattr(self, f"x_{split}")[indices]
+        return rows(getattr(self, f"x_{split}"), indices)
 
     @property
-    def input_shape(self) -> tuple[int, ...]:
+    def input_shape(self):
+        """(H, W, C)-like shape of a sample; a dict {input name: shape} for several inputs."""
+        if isinstance(self.x_train, dict):
+            return {k: tuple(int(d) for d in v.shape[1:]) for k, v in self.x_train.items()}
         return tuple(int(d) for d in self.x_train.shape[1:])
 
-    def split(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+    def split(self, name: str):
         if name not in ("train", "val", "test"):
             raise DataError(f"unknown split {name!r}; choose train, val or test")
         return getattr(self, f"x_{name}"), getattr(self, f"y_{name}")
 
-    def labels(self, split: str) -> np.ndarray:
-        return getattr(self, f"y_{split}")
+    def labels(self, split: str):
+        """The class ids of ``split`` (what sampling stratifies by); None without any."""
+        y = getattr(self, f"y_{split}")
+        if not self.labelled:
+            return None
+        if isinstance(y, dict):  # several outputs: the first that holds class ids
+            return next((v for v in y.values() if _class_ids(v) is not None), None)
+        return y
+
+    def targets(self, split: str, output: str | None = None):
+        """The targets of ``output`` (or the only ones) in ``split``; None where the data has none."""
+        if not self.labelled:
+            return None
+        y = getattr(self, f"y_{split}")
+        if isinstance(y, dict):
+            return y.get(output) if output is not None else (next(iter(y.values())) if len(y) == 1 else None)
+        return y if output is None else None  # one 'y' is the one output's: name each, y_<output>, for several
 
     def spread(self, split: str, seed: int = 0) -> np.ndarray:
         """Every index of ``split`` in a seeded order whose every prefix is stratified by class."""
-        return spread_order(self.labels(split), seed)
+        labels = self.labels(split)
+        return spread_order(labels if labels is not None else np.zeros(self.count(split), np.float32), seed)
 
     def calibration_indices(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> np.ndarray:
         """Which train samples calibration takes: N, stratified by class, seeded (sorted)."""
@@ -125,7 +164,7 @@ class _Splits:
             raise DataError(f"--calib-samples must be positive, got {n}")
         return np.sort(self.spread("train", seed)[:n])
 
-    def calibration_samples(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> np.ndarray:
+    def calibration_samples(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0):
         """N samples for calibration, drawn from train (never from test), stratified by class."""
         return self.take("train", self.calibration_indices(n, seed))
 
@@ -143,57 +182,73 @@ class _Splits:
             order = order[~np.isin(order, self.calibration_indices())]
         else:
             order = self.spread(split, 1)
+        labels = self.labels(split)
         if select > 0:
-            order, chosen = alternate_halves(self.labels(split), order)
+            order, chosen = alternate_halves(labels, order)
             chosen = np.sort(chosen[:select])
         else:
             chosen = np.zeros(0, dtype=np.int64)
         verify = np.sort(order[:n])
-        labels = self.labels(split)
         return HeldOut(
             split,
             self.take(split, verify),
             self.take(split, chosen) if len(chosen) else None,
             classes_covered(labels, verify),
             classes_covered(labels, chosen) if len(chosen) else None,
-            classes_covered(labels, np.arange(len(labels))),
+            classes_covered(labels, np.arange(self.count(split))),
+            verify,
+            chosen if len(chosen) else None,
         )
 
-    def verification_samples(self, n: int = 200) -> tuple[np.ndarray, str]:
+    def verification_samples(self, n: int = 200):
         """Up to N held-out samples (``held_out``) and the split they come from."""
         part = self.held_out(n)
         return part.x, part.split
 
-    def representative_dataset(self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0) -> Callable[[], Iterator]:
-        """A TFLiteConverter.representative_dataset: one sample per step, from train."""
+    def representative_dataset(
+        self, n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0, order: list[str] | None = None
+    ) -> Callable[[], Iterator]:
+        """A TFLiteConverter.representative_dataset: one sample per step, from train.
+
+        Several inputs are given as a dict by input name (``order``: which, the model's names).
+        """
         samples = self.calibration_samples(n, seed)
 
         def generator():
-            for i in range(len(samples)):
-                yield [samples[i : i + 1]]
+            for i in range(size(samples)):
+                if isinstance(samples, dict):  # by signature input name: the converter's input order is its own
+                    yield {name: samples[name][i : i + 1] for name in (order or list(samples))}
+                else:
+                    yield [samples[i : i + 1]]
 
         return generator
 
-    def x_chunks(self, split: str, size: int = 512) -> Iterator[np.ndarray]:
+    def x_chunks(self, split: str, size: int = 512) -> Iterator:
         """The inputs of ``split`` in order, ``size`` samples at a time."""
         x = getattr(self, f"x_{split}")
-        for start in range(0, len(x), size):
-            yield x[start : start + size]
+        for start in range(0, self.count(split), size):
+            yield rows(x, slice(start, start + size))
 
     def fingerprint(self) -> str:
         """sha256 of the source name and every split's inputs and labels, read in chunks."""
         digest = hashlib.sha256(self.source.encode())
         for split in ("train", "val", "test"):
             for chunk in self.x_chunks(split):
-                digest.update(np.ascontiguousarray(chunk, dtype=np.float32).tobytes())
-            digest.update(np.ascontiguousarray(getattr(self, f"y_{split}")).tobytes())
+                for part in _parts(chunk):
+                    digest.update(np.ascontiguousarray(part, dtype=np.float32).tobytes())
+            for part in _parts(getattr(self, f"y_{split}")):
+                digest.update(np.ascontiguousarray(part).tobytes())
         return digest.hexdigest()
 
     def describe(self) -> dict:
+        shape = self.input_shape
+        y = self.y_train
         return {
             "source": self.source,
-            "input_shape": list(self.input_shape),
+            "input_shape": {k: list(v) for k, v in shape.items()} if isinstance(shape, dict) else list(shape),
             "num_classes": self.num_classes,
+            "labelled": self.labelled,
+            "targets": {k: _target_kind(v) for k, v in y.items()} if isinstance(y, dict) else _target_kind(y),
             "train": self.count("train"),
             "val": self.count("val"),
             "test": self.count("test"),
@@ -201,31 +256,64 @@ class _Splits:
             "sha256": self.fingerprint(),
         }
 
-    def check_fits(self, model_input_shape: tuple, where: str = "the model") -> None:
-        """Raise DataError unless samples fit the model input (batch dim excluded)."""
-        expected = tuple(model_input_shape)
-        if len(expected) != len(self.input_shape) or any(
-            e is not None and int(e) != int(g) for e, g in zip(expected, self.input_shape)
-        ):
-            raise DataError(
-                f"data {self.source!r} has samples of shape {self.input_shape} but {where} expects "
-                f"{tuple(expected)}: use data of that shape (e.g. synthetic:{_shape_str(expected)}:K)"
-            )
+    def check_fits(self, model_input_shape, where: str = "the model") -> None:
+        """Raise DataError unless samples fit the model input(s) (batch dim excluded).
+
+        ``model_input_shape``: one shape, or {input name: shape} for several inputs.
+        """
+        got = self.input_shape
+        if isinstance(model_input_shape, dict) and len(model_input_shape) == 1 and not isinstance(got, dict):
+            model_input_shape = next(iter(model_input_shape.values()))
+        if isinstance(model_input_shape, dict):
+            if not isinstance(got, dict) or set(got) != set(model_input_shape):
+                have = ", ".join(got) if isinstance(got, dict) else "one array 'x'"
+                raise DataError(
+                    f"{where} takes inputs {', '.join(model_input_shape)}, but data {self.source!r} has {have}: "
+                    "save one array per input, x_<input name>"
+                )
+            for name, expected in model_input_shape.items():
+                _check_shape(tuple(expected), got[name], f"{self.source!r} input {name!r}", where)
+            return
+        if isinstance(got, dict):
+            if len(got) != 1:
+                raise DataError(f"{where} takes one input, but data {self.source!r} has {', '.join(got)}")
+            got = next(iter(got.values()))
+        _check_shape(tuple(model_input_shape), got, repr(self.source), where)
 
     def check_finite(self) -> None:
         """Raise DataError naming the split and sample if any input holds NaN or infinity."""
         for split in ("train", "val", "test"):
-            x = getattr(self, f"x_{split}")
-            if not len(x) or not np.issubdtype(x.dtype, np.floating):
-                continue
-            bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
-            if bad.any():
-                first = int(np.argmax(bad))
-                raise DataError(
-                    f"data {self.source!r}: {int(bad.sum())} sample(s) of the {split} split hold NaN or infinity "
-                    f"(the first: sample {first} of that split): clean or drop them; quantization ranges and "
-                    "training need finite inputs"
-                )
+            for x in _parts(getattr(self, f"x_{split}")):
+                if not len(x) or not np.issubdtype(x.dtype, np.floating):
+                    continue
+                bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+                if bad.any():
+                    first = int(np.argmax(bad))
+                    raise DataError(
+                        f"data {self.source!r}: {int(bad.sum())} sample(s) of the {split} split hold NaN or infinity "
+                        f"(the first: sample {first} of that split): clean or drop them; quantization ranges and "
+                        "training need finite inputs"
+                    )
+
+
+def _parts(x) -> list[np.ndarray]:
+    return [x[k] for k in sorted(x)] if isinstance(x, dict) else [x]
+
+
+def _target_kind(y) -> str:
+    ids = _class_ids(y)
+    if ids is not None:
+        return f"class ids ({len(np.unique(ids))} classes)"
+    return f"float targets {list(np.shape(y)[1:])}"
+
+
+def _check_shape(expected: tuple, got: tuple, what: str, where: str) -> None:
+    if len(expected) != len(got) or any(e is not None and int(e) != int(g) for e, g in zip(expected, got)):
+        raise DataError(
+            f"data {what} has samples of shape {got} but {where} expects {expected}: use data of that shape "
+            f"(e.g. synthetic:{_shape_str(expected)}:K), or fix a fully convolutional model's input with "
+            "--input-shape"
+        )
 
 
 @dataclass(frozen=True)
@@ -233,27 +321,56 @@ class Dataset(_Splits):
     """Samples held in memory, already normalised (digits, synthetic, npz)."""
 
     source: str
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_val: np.ndarray
-    y_val: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
+    x_train: np.ndarray | dict
+    y_train: np.ndarray | dict
+    x_val: np.ndarray | dict
+    y_val: np.ndarray | dict
+    x_test: np.ndarray | dict
+    y_test: np.ndarray | dict
     num_classes: int
     normalization: Normalization = field(default_factory=Normalization)
     class_names: tuple[str, ...] = ()
+    labelled: bool = True
+
+
+def normal_samples_for_training(dataset):
+    """An autoencoder learns what normal looks like: train and val keep only the samples labelled 0
+    (normal) where 0/1 labels mark anomalies; test keeps both, for the AUC."""
+    if not dataset.labelled or not isinstance(dataset, Dataset) or isinstance(dataset.y_train, dict):
+        return dataset
+    from dataclasses import replace
+
+    ids = _class_ids(dataset.y_train)
+    if ids is None or not np.all((ids == 0) | (ids == 1)) or not np.any(ids == 1):
+        return dataset
+    keep = {split: np.flatnonzero(_class_ids(getattr(dataset, f"y_{split}")) == 0) for split in ("train", "val")}
+    return replace(
+        dataset,
+        x_train=rows(dataset.x_train, keep["train"]),
+        y_train=dataset.y_train[keep["train"]],
+        x_val=rows(dataset.x_val, keep["val"]),
+        y_val=dataset.y_val[keep["val"]],
+    )
 
 
 def _shape_str(shape: tuple) -> str:
     return "x".join(str(d if d is not None else 32) for d in shape)
 
 
-def stratified_split(x: np.ndarray, y: np.ndarray, seed: int = 0):
-    """Fixed stratified train/val/test split (70/10/20)."""
+def stratified_split(x, y, seed: int = 0):
+    """Fixed train/val/test split (70/10/20), stratified by class where ``y`` holds class ids.
+
+    ``x`` and ``y`` may be dicts of arrays (several inputs, several outputs).
+    """
     rng = np.random.default_rng(seed)
+    ids = (
+        _class_ids(y)
+        if not isinstance(y, dict)
+        else next((c for c in (_class_ids(v) for v in y.values()) if c is not None), None)
+    )
+    groups = [np.flatnonzero(ids == cls) for cls in np.unique(ids)] if ids is not None else [np.arange(size(x))]
     parts: list[list[int]] = [[], [], []]
-    for cls in np.unique(y):
-        idx = np.flatnonzero(y == cls)
+    for idx in groups:
         rng.shuffle(idx)
         n_test = max(1, int(round(len(idx) * SPLIT_FRACTIONS[2]))) if len(idx) >= 3 else 0
         n_val = max(1, int(round(len(idx) * SPLIT_FRACTIONS[1]))) if len(idx) >= 3 else 0
@@ -263,26 +380,49 @@ def stratified_split(x: np.ndarray, y: np.ndarray, seed: int = 0):
     out = []
     for p in parts:
         p = np.sort(np.asarray(p, dtype=np.int64))
-        out.extend([x[p], y[p]])
+        out.extend([rows(x, p), rows(y, p)])
     return tuple(out)
 
 
-def _make(source, x, y, normalization, num_classes=None, class_names=(), seed=0, normalized=False) -> Dataset:
-    """Split ``x`` (raw, or float samples already when ``normalized``) and ``y``; record ``normalization``."""
-    if len(x) == 0:
+def _targets(y, source: str):
+    """Labels as class ids (int64, (N,)) where they are (runtime.inputs.holds_class_ids), else float32 targets."""
+    y = np.asarray(y)
+    if holds_class_ids(y):
+        ids = class_labels(y, len(y), f"data {source!r}")
+        return ids
+    return y.astype(np.float32)
+
+
+def _make(
+    source, x, y, normalization, num_classes=None, class_names=(), seed=0, normalized=False, labelled=True
+) -> Dataset:
+    """Split ``x`` (raw, or float samples already when ``normalized``) and ``y``; record ``normalization``.
+
+    ``x`` and ``y`` may be dicts by input and output name; ``y`` holds class ids or float targets.
+    """
+    if size(x) == 0:
         raise DataError(f"data {source!r} is empty: it has no samples")
-    if len(x) != len(y):
-        raise DataError(f"data {source!r}: {len(x)} inputs but {len(y)} labels")
-    y = np.asarray(y).astype(np.int64).reshape(-1)
-    if np.any(y < 0):
-        raise DataError(f"data {source!r}: labels must be class indices >= 0")
-    x_train, y_train, x_val, y_val, x_test, y_test = stratified_split(
-        np.asarray(x, dtype=np.float32) if normalized else normalization.apply(x), y, seed
-    )
-    if len(x_train) == 0 or len(x_test) == 0:
+    y = {k: _targets(v, source) for k, v in y.items()} if isinstance(y, dict) else _targets(y, source)
+    for part in _parts(y):
+        if len(part) != size(x):
+            raise DataError(f"data {source!r}: {size(x)} inputs but {len(part)} labels")
+    if not normalized:
+        x = {k: normalization.apply(v) for k, v in x.items()} if isinstance(x, dict) else normalization.apply(x)
+    elif isinstance(x, dict):
+        x = {k: np.asarray(v, dtype=np.float32) for k, v in x.items()}
+    else:
+        x = np.asarray(x, dtype=np.float32)
+    x_train, y_train, x_val, y_val, x_test, y_test = stratified_split(x, y, seed)
+    if size(x_train) == 0 or size(x_test) == 0:
         raise DataError(f"data {source!r} has too few samples per class to split into train and test")
-    k = int(num_classes if num_classes is not None else y.max() + 1)
-    return Dataset(source, x_train, y_train, x_val, y_val, x_test, y_test, k, normalization, tuple(class_names))
+    ids = _class_ids(y) if not isinstance(y, dict) else None
+    if num_classes is not None:
+        k = int(num_classes)
+    else:
+        k = int(ids.max() + 1) if ids is not None and labelled and len(ids) else 0
+    return Dataset(
+        source, x_train, y_train, x_val, y_val, x_test, y_test, k, normalization, tuple(class_names), labelled
+    )
 
 
 def load_digits_dataset() -> Dataset:
@@ -293,6 +433,98 @@ def load_digits_dataset() -> Dataset:
     bunch = load_digits()
     x = bunch.images.astype(np.float32)[..., None]  # (1797, 8, 8, 1), values 0..16
     return _make("digits", x, bunch.target, Normalization(scale=1.0 / 16.0, raw_max=16.0), num_classes=10)
+
+
+def load_diabetes_dataset() -> Dataset:
+    """scikit-learn's diabetes data: 442 real patients, 10 standardised features, a float target
+    (disease progression after one year, 25..346): a regression task that ships offline."""
+    try:
+        from sklearn.datasets import load_diabetes
+    except ImportError as exc:
+        raise DataError('the diabetes dataset needs scikit-learn: pip install "edgeq[train]"') from exc
+    bunch = load_diabetes()
+    x = bunch.data.astype(np.float32)
+    y = bunch.target.astype(np.float32)[:, None]  # float targets (N, 1): regression
+    return _make("diabetes", x, y, Normalization(), normalized=True)
+
+
+# Generated machine sounds: 16 kHz, 1024-point frames, hop 512, 128 mel bands; a sample is 5 frames.
+SOUND_RATE, SOUND_FFT, SOUND_HOP, SOUND_MELS, SOUND_FRAMES = 16_000, 1024, 512, 128, 5
+_MACHINE = re.compile(r"^machine-sound(?::(\d+))?$")
+
+
+def _mel_filterbank(rate: int, n_fft: int, n_mels: int) -> np.ndarray:
+    """Triangular mel filters (HTK mel scale) over the rfft bins: (n_mels, n_fft // 2 + 1)."""
+
+    def mel(f):
+        return 2595.0 * np.log10(1.0 + f / 700.0)
+
+    def hz(m):
+        return 700.0 * (10.0 ** (m / 2595.0) - 1.0)
+
+    edges = hz(np.linspace(mel(0.0), mel(rate / 2), n_mels + 2))
+    freqs = np.linspace(0.0, rate / 2, n_fft // 2 + 1)
+    bank = np.zeros((n_mels, len(freqs)), dtype=np.float64)
+    for m in range(n_mels):
+        lo, mid, hi = edges[m], edges[m + 1], edges[m + 2]
+        rising = (freqs - lo) / max(mid - lo, 1e-9)
+        falling = (hi - freqs) / max(hi - mid, 1e-9)
+        bank[m] = np.clip(np.minimum(rising, falling), 0.0, None)
+    return bank
+
+
+def machine_sounds(count: int, anomalous: bool, rng: np.random.Generator) -> np.ndarray:
+    """Log-mel spectrograms (count, 5 * 128) of generated machine sounds: a motor's hum (a
+    fundamental near 120 Hz and its decaying harmonics, slowly wandering in pitch and load) in
+    broadband noise. An anomalous machine has one fault: a bearing's non-harmonic whine, a
+    loose part's rattle (clicks), or an imbalance that shifts power to one harmonic."""
+    length = SOUND_FFT + SOUND_HOP * (SOUND_FRAMES - 1)
+    t = np.arange(length) / SOUND_RATE
+    bank = _mel_filterbank(SOUND_RATE, SOUND_FFT, SOUND_MELS)
+    window = np.hanning(SOUND_FFT)
+    out = np.empty((count, SOUND_FRAMES * SOUND_MELS), dtype=np.float32)
+    for i in range(count):
+        f0 = rng.uniform(110.0, 130.0) * (1.0 + 0.004 * np.sin(2 * np.pi * rng.uniform(0.5, 2.0) * t))
+        phase = 2 * np.pi * np.cumsum(f0) / SOUND_RATE
+        decay = rng.uniform(0.55, 0.75)
+        gains = decay ** np.arange(12) * rng.uniform(0.8, 1.2, 12)
+        kind = int(rng.integers(3)) if anomalous else -1
+        if kind == 2:  # imbalance: one harmonic carries several times its share
+            gains[int(rng.integers(1, 6))] *= rng.uniform(2.0, 3.5)
+        signal = sum(g * np.sin((k + 1) * phase + rng.uniform(0, 2 * np.pi)) for k, g in enumerate(gains))
+        signal = signal + rng.normal(0.0, rng.uniform(0.05, 0.12), length)
+        if kind == 0:  # bearing fault: a non-harmonic whine
+            signal = signal + rng.uniform(0.08, 0.2) * np.sin(2 * np.pi * rng.uniform(2500, 5500) * t)
+        elif kind == 1:  # rattle: short clicks at random moments
+            for start in rng.integers(0, length - 64, int(rng.integers(2, 5))):
+                signal[start : start + 64] += rng.normal(0.0, rng.uniform(0.4, 0.9), 64) * np.hanning(64)
+        frames = np.stack([signal[f * SOUND_HOP : f * SOUND_HOP + SOUND_FFT] * window for f in range(SOUND_FRAMES)])
+        power = np.abs(np.fft.rfft(frames, axis=1)) ** 2
+        out[i] = np.log10(power @ bank.T + 1e-6).reshape(-1).astype(np.float32)
+    return out
+
+
+def load_machine_sound(spec: str = "machine-sound") -> Dataset:
+    """``machine-sound[:N]``: generated machine sounds for anomaly detection (MLPerf Tiny's AD task,
+    without a download): N log-mel samples, 5 of every 6 normal; labels 0 normal, 1 anomalous.
+
+    Training an autoencoder uses the normal samples of train and val only; test keeps both,
+    for the AUC. Values are standardised with the normal samples' mean and spread.
+    """
+    m = _MACHINE.match(spec)
+    if not m:
+        raise DataError(f"bad source {spec!r}: write machine-sound or machine-sound:N (N samples, N >= 60)")
+    n = int(m.group(1) or 2400)
+    if n < 60:
+        raise DataError(f"bad source {spec!r}: N must be at least 60")
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little"))
+    anomalies = n // 6
+    normal, odd = machine_sounds(n - anomalies, False, rng), machine_sounds(anomalies, True, rng)
+    mean, std = float(normal.mean()), float(normal.std())
+    x = (np.concatenate([normal, odd]) - mean) / std
+    y = np.concatenate([np.zeros(len(normal), np.int64), np.ones(len(odd), np.int64)])
+    order = rng.permutation(n)
+    return _make(spec, x[order].astype(np.float32), y[order], Normalization(), num_classes=2, normalized=True)
 
 
 _SYNTH = re.compile(r"^synthetic:(\d+)x(\d+)x(\d+):(\d+)(?::(\d+))?$")
@@ -335,42 +567,72 @@ def load_npz(
     path: str | Path,
     labels_required: bool = True,
     normalization: Normalization | None = None,
-    input_shape: tuple | None = None,
+    input_shape=None,
     int8_input: tuple[float, int] | None = None,
 ) -> Dataset:
     """x (and y) from an .npz, read by the input contract (edgeq.runtime.inputs.samples).
 
-    ``normalization`` is the model's recorded one when the data is for a known model:
-    uint8 x is raw data it normalises, float x must lie in its float range; int8 x is the
-    codes of an int8 model input (``int8_input`` = its scale and zero point). y: class ids,
-    or one-hot rows. (N, H, W) arrays for a model that takes (H, W, 1) get the channel axis.
+    Inputs: ``x``, or ``x_<input name>`` for each input of a model with several. Targets:
+    ``y``, or ``y_<output name>`` for each output: class ids (one-hot rows become ids) or
+    float arrays (regression). ``normalization`` is the model's recorded one when the data is
+    for a known model: uint8 x is raw data it normalises, float x must lie in its float range;
+    int8 x is the codes of an int8 model input (``int8_input`` = its scale and zero point).
+    (N, H, W) arrays for a model that takes (H, W, 1) get the channel axis.
     """
     path = Path(path)
     source = f"npz:{path}"
     arrays = read_npz(path)
-    if "x" not in arrays:
+    named_x = {k[2:]: v for k, v in arrays.items() if k.startswith("x_")}
+    if "x" not in arrays and not named_x:
         raise DataError(
-            f"{path}: no array named 'x' (found: {', '.join(arrays) or 'none'}); save with np.savez(x=..., y=...)"
+            f"{path}: no array named 'x' (found: {', '.join(arrays) or 'none'}); save with np.savez(x=..., y=...), "
+            "or x_<input name>=... for each input of a model with several"
         )
-    x = arrays["x"]
-    if x.ndim < 2:
-        raise DataError(f"{path}: 'x' must be (N, ...) samples, got shape {x.shape}")
-    if "y" not in arrays:
+    raw_x = {"": arrays["x"]} if "x" in arrays else named_x
+    shapes = input_shape if isinstance(input_shape, dict) else {"": input_shape}
+    x = {}
+    for name, value in raw_x.items():
+        where = f"{path} ({'x' if not name else 'x_' + name})"
+        if value.ndim < 2:
+            raise DataError(f"{where}: must be (N, ...) samples, got shape {value.shape}")
+        value = samples(value, normalization, where, int8_input=int8_input, check_finite=False)
+        shape = shapes.get(name) if name in shapes else (shapes.get("") if len(raw_x) == 1 else None)
+        wants_channel = shape is not None and len(shape) == value.ndim and int(shape[-1] or 0) == 1
+        if (shape is None and input_shape is None and value.ndim == 3) or wants_channel:
+            value = value[..., None]  # (N, H, W) grey images: add the channel axis
+        x[name] = value
+    counts = {len(v) for v in x.values()}
+    if len(counts) != 1:
+        raise DataError(f"{path}: the input arrays hold different numbers of samples ({sorted(counts)})")
+    n = counts.pop()
+    named_y = {k[2:]: v for k, v in arrays.items() if k.startswith("y_")}
+    labelled = "y" in arrays or bool(named_y)
+    if not labelled:
         if labels_required:
-            raise DataError(f"{path}: no labels: save them as array 'y' (class indices)")
-        y = np.zeros(len(x), dtype=np.int64)
+            raise DataError(f"{path}: no labels: save them as array 'y' (class indices or float targets)")
+        y = np.zeros(n, dtype=np.int64)
+    elif "y" in arrays:
+        y = _npz_targets(arrays["y"], n, str(path), "y")
     else:
-        y = class_labels(arrays["y"], len(x), str(path))
-    if x.dtype == np.uint8:
+        y = {name: _npz_targets(v, n, str(path), f"y_{name}") for name, v in named_y.items()}
+    recorded = normalization
+    if any(v.dtype == np.uint8 for v in raw_x.values()):
         recorded = normalization if normalization is not None and normalization.raw_max is not None else UINT8_IMAGES
-    else:
-        recorded = normalization if normalization is not None else Normalization()  # float samples already
-    # finiteness is checked by the dataset, which names the split and the sample
-    x = samples(x, normalization, str(path), int8_input=int8_input, check_finite=False)
-    wants_channel = input_shape is not None and len(input_shape) == x.ndim and int(input_shape[-1] or 0) == 1
-    if (input_shape is None and x.ndim == 3) or wants_channel:  # (N, H, W) grey images: add the channel axis
-        x = x[..., None]
-    return _make(source, x, y, recorded, normalized=True)
+    recorded = recorded if recorded is not None else Normalization()  # float samples already
+    inputs = x.get("", x)
+    return _make(source, inputs, y, recorded, normalized=True, labelled=labelled)
+
+
+def _npz_targets(y: np.ndarray, count: int, where: str, key: str) -> np.ndarray:
+    """Class ids where ``y`` holds them (runtime.inputs.holds_class_ids), else float targets."""
+    y = np.asarray(y)
+    if len(y) != count:
+        raise DataError(f"{where}: {len(y)} labels in {key!r} for {count} inputs")
+    if holds_class_ids(y):
+        return class_labels(y, count, where, key)
+    if not np.issubdtype(y.dtype, np.number):
+        raise DataError(f"{where}: {key!r} must hold class ids or float targets, got dtype {y.dtype}")
+    return y.astype(np.float32)
 
 
 class EncodedImages(_Splits):
@@ -394,7 +656,8 @@ class EncodedImages(_Splits):
         self.num_classes = int(num_classes)
         if len(refs) == 0:
             raise DataError(f"data {source!r} is empty: it has no samples")
-        y = np.asarray(labels, dtype=np.int64)
+        y = np.asarray(labels)
+        y = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
         parts = stratified_split(np.arange(len(refs)), y)
         self._index = {"train": parts[0], "val": parts[2], "test": parts[4]}
         self._labels = {"train": parts[1], "val": parts[3], "test": parts[5]}
@@ -548,6 +811,7 @@ def _check_headers(files: list[str]) -> None:
 
 TFRECORD_IMAGE = "image/encoded"
 TFRECORD_LABEL = "image/class/label"
+TFRECORD_TARGET = "image/target"  # a float (list) target: regression, instead of a class label
 
 
 def _tfrecord_files(pattern: str) -> list[str]:
@@ -570,7 +834,8 @@ def _tf():
 def _parse_tfrecord(tf, serialized):
     features = {
         TFRECORD_IMAGE: tf.io.FixedLenFeature([], tf.string),
-        TFRECORD_LABEL: tf.io.FixedLenFeature([], tf.int64),
+        TFRECORD_LABEL: tf.io.FixedLenFeature([], tf.int64, default_value=-1),
+        TFRECORD_TARGET: tf.io.VarLenFeature(tf.float32),
     }
     return tf.io.parse_single_example(serialized, features)
 
@@ -581,7 +846,8 @@ def load_tfrecord(
     channels: int = 3,
     normalization: Normalization | None = None,
 ) -> EncodedImages:
-    """``tfrecord:GLOB``: tf.train.Example records with ``image/encoded`` and ``image/class/label``.
+    """``tfrecord:GLOB``: tf.train.Example records with ``image/encoded`` and ``image/class/label``
+    (int64), or ``image/target`` (floats, one length for every record: regression).
 
     Listing reads every record's label once (streamed); the images are decoded when read.
     """
@@ -596,15 +862,26 @@ def load_tfrecord(
             for index, record in enumerate(tf.data.TFRecordDataset(file)):
                 parsed = _parse_tfrecord(tf, record)
                 refs.append((file, index))
-                labels.append(int(parsed[TFRECORD_LABEL]))
+                label, target = int(parsed[TFRECORD_LABEL]), parsed[TFRECORD_TARGET].values.numpy()
+                if label < 0 and not len(target):
+                    raise DataError(
+                        f"{file}: record {index} has neither {TFRECORD_LABEL!r} (a class index >= 0) nor "
+                        f"{TFRECORD_TARGET!r} (float targets)"
+                    )
+                labels.append(label if label >= 0 else target.astype(np.float32))
         except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as exc:
             raise DataError(
                 f"{file}: not a TFRecord of tf.train.Example with {TFRECORD_IMAGE!r} (bytes) and "
                 f"{TFRECORD_LABEL!r} (int64): {str(exc).splitlines()[0]}"
             ) from exc
-    if labels and min(labels) < 0:
-        raise DataError(f"{source}: labels must be class indices >= 0")
-    k = max(labels) + 1 if labels else 0
+    kinds = {isinstance(label, int) for label in labels}
+    if len(kinds) > 1:
+        raise DataError(f"{source}: some records have a class label, others a float target: give one kind")
+    if labels and isinstance(labels[0], np.ndarray):
+        if len({len(t) for t in labels}) > 1:
+            raise DataError(f"{source}: the records' {TFRECORD_TARGET!r} have different lengths")
+        labels = np.stack(labels)
+    k = max(labels) + 1 if len(labels) and not isinstance(labels, np.ndarray) else 0
     data = EncodedImages(
         source, "tfrecord", refs, labels, image_size, channels, _image_normalization(normalization), (), k
     )
@@ -650,10 +927,16 @@ def load_dataset(
     ``int8_input``: (scale, zero point) of an int8 model input, whose codes int8 arrays are.
     """
     source = str(source).strip()
+    if isinstance(input_shape, dict) and len(input_shape) == 1:
+        input_shape = next(iter(input_shape.values()))
     if not source:
         raise DataError("no data source given: use digits, synthetic:HxWxC:K, npz:PATH, images:DIR or tfrecord:GLOB")
     if source == "digits":
         return load_digits_dataset()
+    if source == "diabetes":
+        return load_diabetes_dataset()
+    if source == "machine-sound" or source.startswith("machine-sound:"):
+        return load_machine_sound(source)
     if source.startswith("synthetic:"):
         return load_synthetic(source)
     if source.startswith("npz:") or source.endswith(".npz"):
@@ -666,16 +949,20 @@ def load_dataset(
             return load_images(source[7:], size, channels, normalization)
         return load_tfrecord(source[9:], size, channels, normalization)
     raise DataError(
-        f"unknown data source {source!r}: use digits, synthetic:HxWxC:K, npz:PATH, images:DIR or tfrecord:GLOB"
+        f"unknown data source {source!r}: use digits, diabetes, machine-sound[:N], synthetic:HxWxC:K, npz:PATH, "
+        "images:DIR or tfrecord:GLOB"
     )
 
 
 def export_split(dataset: Dataset, split: str, path: str | Path) -> Path:
-    """Write one split as .npz (x: normalised float32, y) for `edgeq profile --data`."""
+    """Write one split as .npz (x or x_<input>: normalised float32; y or y_<output>) for `edgeq profile --data`."""
     from edgeq.artifacts import atomic_path
 
     x, y = dataset.split(split)
+    arrays = {f"x_{k}": v for k, v in x.items()} if isinstance(x, dict) else {"x": x}
+    if dataset.labelled:
+        arrays |= {f"y_{k}": v for k, v in y.items()} if isinstance(y, dict) else {"y": y}
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        np.savez(fh, x=x, y=y)
+        np.savez(fh, **arrays)
     return path

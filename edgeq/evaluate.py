@@ -1,7 +1,9 @@
-"""Quantized vs FP32: accuracy, drop, agreement and output error.
+"""Quantized vs FP32: each output judged by its task, and how far the outputs differ.
 
 ``evaluate`` loads the models, and needs TensorFlow only when the reference is a Keras
-model; the output measures themselves are ``edgeq.metrics`` (numpy only).
+model; outputs are matched by name (the .tflite signature names them as the Keras model
+does), and scored by ``edgeq.tasks`` (numpy only): accuracy for classifiers, MAE/RMSE/R²
+for regression, AUC for an anomaly-detection autoencoder, SQNR for everything.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq.errors import ModelLoadError, QualityGateError
-from edgeq.metrics import accuracy, compare_outputs
+from edgeq.errors import DataError, ModelLoadError, QualityGateError
+from edgeq.tasks import OutputSpec, compare, drop, score, task
 
 
 @dataclass(frozen=True)
@@ -22,14 +24,15 @@ class EvalResult:
     reference: str
     data: str
     samples: int
-    accuracy: float
-    reference_accuracy: float
-    drop_pp: float  # reference accuracy - model accuracy, in percentage points
-    agreement: float
+    # the first output with a primary metric (the only one of a classifier): its accuracy, or None
+    accuracy: float | None
+    reference_accuracy: float | None
+    drop_pp: float | None  # reference - model in the task's unit (points of accuracy/AUC, % of RMSE)
+    agreement: float | None
     mae: float
     mse: float
     max_abs_error: float
-    sqnr_db: float
+    sqnr_db: float  # the lowest over the outputs
     cosine: float
     size_bytes: int
     reference_size_bytes: int  # the FP32 TFLite size (converted in memory for a Keras reference)
@@ -37,23 +40,31 @@ class EvalResult:
     model_dtype: str
     max_drop_pp: float | None = None
     passed: bool = True
+    outputs: tuple[dict, ...] = ()  # each output: name, task, metrics of both models, drop, comparison
+    labelled: bool = True
 
     def to_dict(self) -> dict:
-        d = {"kind": "edgeq.eval", **asdict(self)}
-        for k, v in d.items():
-            if isinstance(v, float) and math.isinf(v):
-                d[k] = "inf" if v > 0 else "-inf"
-        return d
+        return {"kind": "edgeq.eval", **_json_safe(asdict(self))}
 
 
-def _reference_predictions(reference: Path, x: np.ndarray) -> tuple[np.ndarray, int]:
-    """Predictions of the reference and the size of its FP32 TFLite form."""
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _reference_outputs(reference: Path, x) -> tuple[dict, int, dict]:
+    """Every output of the reference by name, the size of its FP32 TFLite form, and its activations."""
     if reference.suffix == ".tflite":
         from edgeq.runtime.interpreter import TFLiteModel
 
         ref = TFLiteModel(reference)
-        return ref.predict(x, batch_size=1), reference.stat().st_size
-    from edgeq.model_io import load_user_model
+        return ref.predict_outputs(x, batch_size=1), reference.stat().st_size, {}
+    from edgeq.model_io import keras_outputs, load_user_model, output_activations
 
     model = load_user_model(reference)
     from edgeq.shims.tflite import keras_converter, native_output_silenced
@@ -61,7 +72,21 @@ def _reference_predictions(reference: Path, x: np.ndarray) -> tuple[np.ndarray, 
     converter = keras_converter(model)
     with native_output_silenced():
         fp32_size = len(converter.convert())
-    return model.predict(x, batch_size=256, verbose=0), fp32_size
+    return keras_outputs(model, x, batch_size=256), fp32_size, output_activations(model)
+
+
+def output_specs_of(model_path: Path, names: list[str], shapes: dict, declared: str | None, activations: dict, dataset):
+    """Each output's task: --task, else what the conversion manifest recorded, else inferred."""
+    from edgeq.runtime.inputs import outputs_beside
+    from edgeq.tasks import load_task_spec, specs_for
+
+    recorded = {o["name"]: o for o in outputs_beside(model_path)}
+    targets = {}
+    if dataset is not None and dataset.labelled:
+        for name in names:
+            targets[name] = dataset.targets("val" if dataset.count("val") else "test", name if len(names) > 1 else None)
+    input_shape = dataset.input_shape if dataset is not None and not isinstance(dataset.input_shape, dict) else None
+    return specs_for(names, shapes, load_task_spec(declared, names), recorded, activations, targets, input_shape)
 
 
 def evaluate(
@@ -70,8 +95,12 @@ def evaluate(
     data: str,
     split: str = "test",
     max_drop_pp: float | None = None,
+    task_spec: str | None = None,
 ) -> EvalResult:
-    """Accuracy of both models on a data split, and how far their outputs differ."""
+    """Every output of both models on a data split, each scored by its task, and how far they differ.
+
+    ``max_drop_pp`` is the budget for every output's primary metric, in its task's unit.
+    """
     from edgeq.data import load_dataset
 
     model, reference = Path(model), Path(reference)
@@ -80,56 +109,146 @@ def evaluate(
             raise ModelLoadError(f"{path}: no such model file")
     if model.suffix != ".tflite":
         raise ModelLoadError(f"{model}: edgeq eval compares a .tflite model; convert it first (edgeq convert)")
+    from edgeq.runtime.inputs import normalization_beside
     from edgeq.runtime.interpreter import TFLiteModel
 
     quantized = TFLiteModel(model)
-    input_shape = tuple(quantized.input.shape[1:])
-    from edgeq.runtime.inputs import normalization_beside
-
-    # raw files in the model's units (its manifest), float files checked against them
+    shapes = {n: tuple(t.shape[1:]) for n, t in zip(quantized.input_names, quantized.inputs)}
+    input_shape = next(iter(shapes.values())) if len(shapes) == 1 else shapes
     inp = quantized.input
+    # raw files in the model's units (its manifest), float files checked against them
     dataset = load_dataset(
         data,
         input_shape=input_shape,
+        labels_required=False,
         normalization=normalization_beside(model),
-        int8_input=(inp.scale, inp.zero_point) if inp.dtype == "int8" else None,  # int8 x: this input's codes
+        int8_input=(inp.scale, inp.zero_point) if inp.dtype == "int8" and len(shapes) == 1 else None,
     )
     dataset.check_fits(input_shape, where=f"model {model}")
-    x, y = dataset.split(split)
-    got = quantized.predict(x, batch_size=1)
-    ref, ref_size = _reference_predictions(reference, x)
-    cmp = compare_outputs(ref, got)
-    acc = accuracy(got, y, str(model))
-    ref_acc = accuracy(ref, y, str(reference))
-    drop = round((ref_acc - acc) * 100.0, 4)
+    x, _ = dataset.split(split)
+    got = quantized.predict_outputs(x, batch_size=1)
+    ref, ref_size, activations = _reference_outputs(reference, x)
+    names = [n for n in _model_order(model, quantized.output_names)]
+    missing = [n for n in names if n not in ref]
+    if missing:
+        raise DataError(
+            f"{reference} has no output named {', '.join(missing)} (its outputs: {', '.join(ref)}); "
+            "give the model this .tflite was converted from"
+        )
+    out_shapes = {n: tuple(quantized.output_named(n).shape[1:]) for n in names}
+    specs = output_specs_of(model, names, out_shapes, task_spec, activations, dataset)
+    rows, primary = [], None
+    for spec in specs:
+        row = _score_output(spec, ref[spec.name], got[spec.name], dataset, split, x, len(specs))
+        rows.append(row)
+        if primary is None and row["drop"] is not None:
+            primary = row
+    unscored = [spec for spec, row in zip(specs, rows) if spec.kind == "other"]
+    if dataset.labelled and unscored and not any(row["metrics"] for row in rows):
+        spec = unscored[0]
+        raise DataError(
+            f"{model}: the data has labels, but output {spec.name!r} of shape {(_count(x), *spec.shape)} is not one "
+            "score per class (or a declared task), so it has no accuracy; compare it by output error (SQNR, MAE) "
+            "without labels, or declare what it is with --task"
+        )
+    first = rows[0]["comparison"]
+    agreements = [r["comparison"]["agreement"] for r in rows if r["comparison"]["agreement"] is not None]
+    drops = [r["drop"] for r in rows if r["drop"] is not None]
     size = model.stat().st_size
-    result = EvalResult(
+    return EvalResult(
         model=str(model),
         reference=str(reference),
         data=f"{data} ({split})",
-        samples=len(x),
-        accuracy=acc,
-        reference_accuracy=ref_acc,
-        drop_pp=drop,
-        agreement=cmp.agreement,
-        mae=cmp.mae,
-        mse=cmp.mse,
-        max_abs_error=cmp.max_abs_error,
-        sqnr_db=cmp.sqnr_db,
-        cosine=cmp.cosine,
+        samples=_count(x),
+        accuracy=_metric(primary, "metrics"),
+        reference_accuracy=_metric(primary, "reference_metrics"),
+        drop_pp=primary["drop"] if primary else None,
+        agreement=agreements[0] if agreements else None,
+        mae=first["mae"],
+        mse=first["mse"],
+        max_abs_error=max(r["comparison"]["max_abs_error"] for r in rows),
+        sqnr_db=min(r["comparison"]["sqnr_db"] for r in rows),
+        cosine=first["cosine"],
         size_bytes=size,
         reference_size_bytes=ref_size,
         size_ratio=size / ref_size if ref_size else float("nan"),
         model_dtype=quantized.input.dtype,
         max_drop_pp=max_drop_pp,
-        passed=max_drop_pp is None or drop <= max_drop_pp,
+        passed=max_drop_pp is None or all(d <= max_drop_pp for d in drops),
+        outputs=tuple(rows),
+        labelled=dataset.labelled,
     )
-    return result
+
+
+def _model_order(model: Path, names: list[str]) -> list[str]:
+    """The outputs in the order the manifest lists them (the Keras model's), else the .tflite's."""
+    from edgeq.runtime.inputs import outputs_beside
+
+    listed = [o["name"] for o in outputs_beside(model)]
+    return listed if sorted(listed) == sorted(names) else names
+
+
+def _score_output(spec: OutputSpec, ref: np.ndarray, got: np.ndarray, dataset, split, x, outputs: int) -> dict:
+    targets = dataset.targets(split, spec.name if outputs > 1 else None)
+    if spec.kind in ("classification", "binary") and targets is not None:
+        targets = np.asarray(targets)
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise DataError(
+                f"output {spec.name!r} is a {spec.kind} output, but its targets are float values; give class ids"
+            )
+        classes = int(np.prod(spec.shape)) if spec.kind == "classification" else 2
+        if targets.size and (targets.min() < 0 or targets.max() >= classes):
+            raise DataError(
+                f"output {spec.name!r}: labels run from {int(targets.min())} to {int(targets.max())} "
+                f"but it has {classes} classes"
+            )
+    inputs = x if not isinstance(x, dict) else None
+    cmp = compare(spec, ref, got)
+    metrics, reference_metrics = score(spec, got, targets, inputs), score(spec, ref, targets, inputs)
+    return {
+        "name": spec.name,
+        "task": spec.kind,
+        "primary": task(spec.kind).primary or None,
+        "unit": task(spec.kind).unit or None,
+        "metrics": metrics,
+        "reference_metrics": reference_metrics,
+        "drop": drop(spec, reference_metrics, metrics),
+        "comparison": {
+            "agreement": cmp.agreement if math.isfinite(cmp.agreement) else None,
+            "mae": cmp.mae,
+            "mse": cmp.mse,
+            "max_abs_error": cmp.max_abs_error,
+            "sqnr_db": cmp.sqnr_db,
+            "cosine": cmp.cosine,
+        },
+    }
+
+
+def _metric(row: dict | None, key: str) -> float | None:
+    if row is None:
+        return None
+    return row[key].get(row["primary"])
+
+
+def _count(x) -> int:
+    return len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
 
 
 def check_gate(result: EvalResult) -> None:
-    if not result.passed:
+    if result.passed:
+        return
+    over = [
+        f"output {o['name']}: {o['primary']} "
+        + (f"drop {o['drop']:.2f} pp" if o["unit"] == "pp" else f"+{o['drop']:.2f}%")
+        for o in result.outputs
+        if o["drop"] is not None and result.max_drop_pp is not None and o["drop"] > result.max_drop_pp
+    ]
+    if len(result.outputs) == 1 and result.accuracy is not None and result.outputs[0]["primary"] == "accuracy":
         raise QualityGateError(
             f"{result.model}: accuracy drop {result.drop_pp:.2f} pp exceeds --max-drop {result.max_drop_pp:g} pp "
             f"({result.reference_accuracy:.2%} -> {result.accuracy:.2%})"
         )
+    raise QualityGateError(
+        f"{result.model}: {'; '.join(over)} exceeds --max-drop {result.max_drop_pp:g} (points of accuracy/AUC, "
+        "percent of RMSE for regression)"
+    )

@@ -16,6 +16,7 @@ from pathlib import Path
 from edgeq.compat import keras
 from edgeq.errors import ModelLoadError
 from edgeq.keras3 import is_keras3_model, keras_flavour_of_file, to_tf_keras
+from edgeq.names import input_names, output_names, producer_of
 from edgeq.quantize_configs import quantize_scope
 
 # The files of a training run (edgeq train --out DIR).
@@ -118,3 +119,206 @@ def recorded_normalization(model_path: str | Path | None):
 
     recorded = (run_record_for(model_path) or {}).get("normalization") if model_path else None
     return Normalization.from_dict(recorded) if isinstance(recorded, dict) else None
+
+
+# ----------------------------------------------------------------- inputs and outputs by name
+
+
+def input_shapes(model) -> dict[str, tuple]:
+    """{input name: shape without the batch axis}."""
+    return {n: tuple(t.shape[1:]) for n, t in zip(input_names(model), model.inputs)}
+
+
+def output_shapes(model) -> dict[str, tuple]:
+    return {
+        n: tuple(int(d) if d is not None else -1 for d in t.shape[1:])
+        for n, t in zip(output_names(model), model.outputs)
+    }
+
+
+def output_activations(model) -> dict[str, str | None]:
+    """The final activation of each output ("softmax", "sigmoid", "linear", ...; None when unknown)."""
+    found = {}
+    for name, tensor in zip(output_names(model), model.outputs):
+        layer = producer_of(tensor)
+        if layer is None:
+            try:
+                layer = model.get_layer(name)
+            except (ValueError, KeyError):
+                layer = None
+        layer = getattr(layer, "layer", layer)  # TF-MOT's QuantizeWrapper
+        kind = type(layer).__name__ if layer is not None else ""
+        if kind == "Softmax":
+            found[name] = "softmax"
+            continue
+        activation = getattr(layer, "activation", None)
+        activation = getattr(activation, "activation", activation)  # TF-MOT's QuantizeAwareActivation
+        found[name] = getattr(activation, "__name__", None) if activation is not None else None
+    return found
+
+
+def model_feed(model, x):
+    """``x`` (one array, or one per input name) as ``model.predict`` takes it."""
+    names = input_names(model)
+    if not isinstance(x, dict):
+        return x
+    missing = [n for n in names if n not in x]
+    if missing:
+        raise ModelLoadError(f"no data for the model's input(s) {', '.join(missing)} (given: {', '.join(x)})")
+    return x[names[0]] if len(names) == 1 else [x[n] for n in names]
+
+
+def keras_outputs_in_order(model, x, batch_size: int = 64) -> list:
+    """Every output of a Keras model on ``x``, in the model's output order (a QAT model's too)."""
+    import numpy as np
+
+    got = model.predict(model_feed(model, x), batch_size=batch_size, verbose=0)
+    if isinstance(got, dict):
+        return [np.asarray(got[n]) for n in output_names(model)]
+    return [np.asarray(v) for v in got] if isinstance(got, (list, tuple)) else [np.asarray(got)]
+
+
+def keras_outputs(model, x, batch_size: int = 64) -> dict:
+    """Every output of a Keras model on ``x``, by output name (as the .tflite names them)."""
+    import numpy as np
+
+    got = model.predict(model_feed(model, x), batch_size=batch_size, verbose=0)
+    names = output_names(model)
+    if isinstance(got, dict):
+        return {str(k): np.asarray(v) for k, v in got.items()}
+    if isinstance(got, (list, tuple)):
+        return {name: np.asarray(v) for name, v in zip(names, got)}
+    return {names[0]: np.asarray(got)}
+
+
+def parse_input_shape(spec: str | None, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """``--input-shape``: ``HxWxC`` for a one-input model, or ``NAME=HxWxC,NAME=...``."""
+    from edgeq.errors import UsageError
+
+    if not spec:
+        return {}
+
+    def dims(text: str) -> tuple[int, ...]:
+        try:
+            shape = tuple(int(d) for d in text.strip().lower().split("x"))
+        except ValueError:
+            shape = ()
+        if not shape or min(shape) < 1:
+            raise UsageError(f"--input-shape {spec!r}: write the sample shape as HxWxC (e.g. 240x320x3)")
+        return shape
+
+    if "=" not in spec:
+        if len(names) != 1:
+            raise UsageError(f"--input-shape {spec!r}: the model has inputs {', '.join(names)}; give NAME=HxWxC each")
+        return {names[0]: dims(spec)}
+    shapes = {}
+    for item in spec.split(","):
+        name, _, text = item.partition("=")
+        if name.strip() not in names:
+            raise UsageError(f"--input-shape names input {name.strip()!r}; the model's inputs are {', '.join(names)}")
+        shapes[name.strip()] = dims(text)
+    return shapes
+
+
+def with_input_shape(model, spec: str | None, where: str = "model"):
+    """The model with its inputs' free (None) dimensions fixed by ``--input-shape`` (same weights).
+
+    A fully convolutional model (``Input((None, None, 3))``) has no static shape to quantize or
+    to run on an Edge TPU; its layers work at any fixed size, so the model is rebuilt on an
+    Input of the camera's size. A dimension the model fixes already must match.
+    """
+    from edgeq.errors import UsageError
+
+    shapes = parse_input_shape(spec, input_names(model))
+    if not shapes:
+        return model
+    current = input_shapes(model)
+    for name, shape in shapes.items():
+        have = current[name]
+        if len(have) != len(shape) or any(h is not None and int(h) != s for h, s in zip(have, shape)):
+            raise UsageError(
+                f"{where}: --input-shape {name}={'x'.join(map(str, shape))} does not fit its input of shape "
+                f"{tuple(have)}: only free (None) dimensions can be fixed"
+            )
+    if all(all(d is not None for d in current[n]) for n in current) and all(
+        tuple(int(d) for d in current[n]) == shapes.get(n, tuple(current[n])) for n in current
+    ):
+        return model  # nothing to fix
+    module = _keras_module_of(model)
+    fixed = [
+        module.Input(shape=shapes.get(name, tuple(current[name])), name=name, dtype=tensor.dtype)
+        for name, tensor in zip(input_names(model), model.inputs)
+    ]
+    try:
+        rebuilt = module.models.clone_model(model, input_tensors=fixed if len(fixed) > 1 else fixed[0])
+    except Exception as exc:  # clone_model raises many types for models it cannot rebuild
+        raise UsageError(f"{where}: cannot rebuild it with a fixed input shape ({str(exc).splitlines()[0]})") from exc
+    rebuilt.set_weights(model.get_weights())
+    return rebuilt
+
+
+def _keras_module_of(model):
+    if is_keras3_model(model):
+        import keras as keras3
+
+        return keras3
+    return keras
+
+
+def concatenated_outputs(model, x, ratio: float = 10.0) -> list[str]:
+    """Outputs that are a concatenation of tensors whose ranges differ by more than ``ratio``.
+
+    They share one int8 scale: scores in [0, 1] beside boxes in [0, 640] round to zero, and
+    the quantized model "detects nothing". Each finding names the output and the layer.
+    """
+    import numpy as np
+
+    found, probes = [], []
+    for name, tensor in zip(output_names(model), model.outputs):
+        layer = producer_of(tensor)
+        while layer is not None and type(layer).__name__ in ("Reshape", "Flatten", "Activation", "Permute"):
+            if type(layer).__name__ == "Activation" and getattr(layer.activation, "__name__", "") != "linear":
+                break
+            layer = producer_of(layer.input)
+        if layer is not None and type(layer).__name__ == "Concatenate" and isinstance(layer.input, (list, tuple)):
+            probes.append((name, layer))
+    for name, layer in probes:
+        probe = _keras_module_of(model).Model(model.inputs, list(layer.input))
+        parts = probe.predict(model_feed(model, x), verbose=0)
+        spans = [float(np.max(np.abs(p))) for p in parts]
+        small, large = min(spans), max(spans)
+        if large > ratio * max(small, 1e-12):
+            found.append(
+                f"output {name!r} concatenates tensors whose ranges differ {large / max(small, 1e-12):.0f}x in layer "
+                f"{layer.name!r} (max |value| {', '.join(f'{s:.3g}' for s in spans)}): in one int8 tensor the small "
+                "ones round to a few steps; export them as separate outputs"
+            )
+    return found
+
+
+def output_specs(model, declared: str | None = None, source_path=None, dataset=None) -> list:
+    """What each output of ``model`` is (edgeq.tasks.OutputSpec), in the model's order.
+
+    ``--task`` (declared) wins, then what the training run recorded (run.json ``outputs``),
+    then the output's activation and shape with the data's targets (val split).
+    """
+    from edgeq.tasks import load_task_spec, specs_for
+
+    names = output_names(model)
+    record = run_record_for(source_path) if source_path else None
+    recorded = {o["name"]: o for o in (record or {}).get("outputs", []) if isinstance(o, dict) and "name" in o}
+    targets = {}
+    if dataset is not None and getattr(dataset, "labelled", True):
+        split = "val" if dataset.count("val") else "train"
+        for name in names:
+            targets[name] = dataset.targets(split, name if len(names) > 1 else None)
+    shapes = input_shapes(model)
+    return specs_for(
+        names,
+        output_shapes(model),
+        load_task_spec(declared, names),
+        recorded,
+        output_activations(model),
+        targets,
+        next(iter(shapes.values())) if len(shapes) == 1 else None,
+    )

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+import numpy as np
+
 try:
     import tomllib
 except ImportError:  # Python < 3.11
@@ -34,6 +36,7 @@ class Recipe:
     qat_learning_rate: float = 1e-4
     max_drop_pp: float = 1.0
     fp32_min_accuracy: float = 0.0
+    task: str | None = None  # what the model's output is (edgeq.tasks); None: inferred from the data
 
 
 # Small datasets give few steps per epoch: with Keras' default momentum (0.99) the moving
@@ -116,11 +119,41 @@ def resnet8(input_shape=(32, 32, 3), num_classes=10, keras_module=None):
     return keras.Model(inputs, outputs, name="resnet8")
 
 
+def ad_autoencoder(input_shape=(640,), num_classes=None, width: int = 128, code: int = 8, keras_module=None):
+    """MLPerf Tiny's anomaly-detection autoencoder: Dense-BN-ReLU 4 x 128, an 8-wide code,
+    4 x 128 back, and a linear Dense to the input's 640 values; the anomaly score is the
+    reconstruction error (``num_classes`` is not used: the output is the input again)."""
+    keras, L = _layers(keras_module)
+    size = int(np.prod(input_shape))
+    inputs = L.Input(tuple(input_shape), name="input")
+    h = L.Flatten(name="flatten")(inputs) if len(input_shape) > 1 else inputs
+    for i, units in enumerate([width] * 4 + [code] + [width] * 4):
+        h = L.Dense(units, name=f"dense{i + 1}")(h)
+        h = L.BatchNormalization(momentum=BN_MOMENTUM, name=f"bn{i + 1}")(h)
+        h = L.ReLU(name=f"relu{i + 1}")(h)
+    outputs = L.Dense(size, name="reconstruction")(h)
+    if len(input_shape) > 1:
+        outputs = L.Reshape(tuple(input_shape), name="reshape")(outputs)
+    return keras.Model(inputs, outputs, name="ad_autoencoder")
+
+
+def regression_mlp(input_shape=(10,), num_classes=None, width: int = 64, targets: int = 1, keras_module=None):
+    """A small regressor: Dense-ReLU x2 and a linear output of ``targets`` values."""
+    keras, L = _layers(keras_module)
+    inputs = L.Input(tuple(input_shape), name="input")
+    h = L.Flatten(name="flatten")(inputs) if len(input_shape) > 1 else inputs
+    h = L.Dense(width, activation="relu", name="dense1")(h)
+    h = L.Dense(width, activation="relu", name="dense2")(h)
+    return keras.Model(inputs, L.Dense(int(targets), name="prediction")(h), name="regression_mlp")
+
+
 ARCHITECTURES: dict[str, Callable[..., Any]] = {
     "digits-cnn": digits_cnn,
     "mobilenetv2": mobilenetv2,
     "ds-cnn": ds_cnn,
     "resnet8": resnet8,
+    "ad-autoencoder": ad_autoencoder,
+    "regression-mlp": regression_mlp,
 }
 
 
@@ -147,6 +180,7 @@ def load_recipe(name: str) -> Recipe:
         qat_learning_rate=float(qat.get("learning_rate", 1e-4)),
         max_drop_pp=float(budget.get("max_drop_pp", 1.0)),
         fp32_min_accuracy=float(budget.get("fp32_min_accuracy", 0.0)),
+        task=raw.get("task"),
     )
 
 

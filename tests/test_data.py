@@ -220,3 +220,29 @@ def test_verification_and_calibration_samples_cover_every_class_of_a_sorted_sour
     part = images.held_out(10)
     assert part.classes == 10 and len(part.x) == 10
     assert sorted(int(v) // 20 for v in (part.x[:, 0, 0, 0] * 255).round()) == list(range(10))
+
+
+def test_tfrecord_with_float_targets_feeds_a_regressor(tmp_path):
+    """image/target (floats) instead of a class label: regression targets, through to training batches."""
+    from PIL import Image
+
+    from edgeq.compat import tf
+    from edgeq.train.pipeline import split_dataset
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "reg.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for i in range(30):
+            img = tmp_path / f"{i}.png"
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(img)
+            feature = {
+                "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[img.read_bytes()])),
+                "image/target": tf.train.Feature(float_list=tf.train.FloatList(value=[i * 0.5, -i])),
+            }
+            writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    d = load_dataset(f"tfrecord:{path}", input_shape=(8, 8, 3))
+    assert d.num_classes == 0 and d.describe()["targets"] == "float targets [2]"
+    y = np.concatenate([d.y_train, d.y_val, d.y_test])
+    assert y.dtype == np.float32 and sorted(y[:, 0].tolist()) == [i * 0.5 for i in range(30)]
+    batch_x, batch_y = next(iter(split_dataset(d, "train", 4, training=True)))
+    assert batch_x.shape == (4, 8, 8, 3) and batch_y.shape == (4, 2) and batch_y.dtype == tf.float32

@@ -89,7 +89,7 @@ def _inputs_of_every_consumer(model_path, run_qat_model, data_file):
         "profile --data (host and device)": quantize(
             load_npz(data_file, info, normalization=normalization_beside(model_path)).x, info
         ),
-        "verify": quantized_inputs(model, data_file),
+        "verify": quantized_inputs(model, data_file)[model.input_names[0]],
         "calibration": quantize(calibration.x_train, info),
     }
 

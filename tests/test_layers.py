@@ -20,10 +20,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.errors",),
     ("edgeq.numerics", "edgeq.ranges"),
     ("edgeq.metrics",),
+    ("edgeq.tasks",),
     ("edgeq.shims.litert",),
     ("edgeq.artifacts",),
     ("edgeq.runtime",),
     # ---- host side from here up: TensorFlow may be imported (through edgeq.compat)
+    ("edgeq.names",),  # no TensorFlow: attribute reads of a Keras model
     ("edgeq.compat",),
     ("edgeq.shims.tflite", "edgeq.shims.tfmot"),
     ("edgeq.quantize_configs",),

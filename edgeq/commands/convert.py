@@ -46,7 +46,22 @@ def _mode_options(func):
     show_default=True,
     help="Input/output type with --int8-only (uint8 for Coral).",
 )
-@click.option("--min-sqnr", type=float, help="Verification threshold in dB (default: per mode).")
+@click.option(
+    "--min-sqnr",
+    metavar="DB|NAME=DB,...",
+    help="Verification threshold in dB, for every output or per output name (default: per mode).",
+)
+@click.option(
+    "--input-shape",
+    metavar="HxWxC|NAME=HxWxC,...",
+    help="Fix the free (None) dimensions of a fully convolutional model's input(s), e.g. 240x320x3.",
+)
+@click.option(
+    "--task",
+    metavar="KIND|NAME=KIND,...|FILE.json",
+    help="What each output is: classification, binary, multilabel, regression, reconstruction or other "
+    "(default: from the output's activation and the data).",
+)
 @click.option(
     "--int4-granularity",
     type=click.Choice(["channel", "block32", "block64", "block128", "block256"]),
@@ -111,6 +126,8 @@ def convert(
     rounding,
     ptq_target,
     seed,
+    input_shape,
+    task,
 ):
     """Convert MODEL (.keras/.h5/SavedModel; a QAT model needs no calibration) to TFLite,
     then load it in LiteRT and verify it against MODEL before writing it."""
@@ -137,29 +154,33 @@ def convert(
         rounding=rounding,
         seed=seed,
         ptq_target_db=ptq_target,
+        input_shape=input_shape,
+        task=task,
     )
     result = run_convert(model, out, options)
     if json_out:
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
         return
     v = result.verification
-    click.echo(
-        table(
-            ["model", "mode", "size", "input", "output", "integer-only", "agreement", "SQNR dB", "verified"],
-            [
-                (
-                    result.path,
-                    result.mode,
-                    f"{result.size_bytes / 1024:.1f} KiB",
-                    result.input["dtype"],
-                    result.output["dtype"],
-                    v.integer_only,
-                    f"{v.agreement:.2%}",
-                    f"{v.sqnr_db:.1f}",
-                    v.passed,
-                )
-            ],
+    rows = []
+    for o in v.outputs or ({"name": "", "agreement": v.agreement, "sqnr_db": v.sqnr_db, "passed": v.passed},):
+        agreement = o.get("agreement")
+        dtype = next((t["dtype"] for t in result.outputs if t["name"] == o["name"]), result.output["dtype"])
+        rows.append(
+            (
+                result.path if not rows else "",
+                result.mode if not rows else "",
+                f"{result.size_bytes / 1024:.1f} KiB" if not rows else "",
+                result.input["dtype"] if not rows else "",
+                f"{o['name']} ({o.get('task', '')}) {dtype}" if len(v.outputs) > 1 else dtype,
+                v.integer_only if not rows else "",
+                "-" if agreement is None else f"{agreement:.2%}",
+                f"{o['sqnr_db']:.1f}",
+                o["passed"],
+            )
         )
+    click.echo(
+        table(["model", "mode", "size", "input", "output", "integer-only", "agreement", "SQNR dB", "verified"], rows)
     )
     for note in result.notes:
         click.echo(f"note: {note}")

@@ -12,31 +12,74 @@ from edgeq.commands.ui import table
 @click.option("--reference", required=True, type=click.Path(), help="FP32 model: .keras/.h5/SavedModel or .tflite.")
 @click.option("--data", required=True, help="digits | synthetic:... | npz:PATH | images:DIR")
 @click.option("--split", type=click.Choice(["test", "val", "train"]), default="test", show_default=True)
-@click.option("--max-drop", "max_drop", type=float, help="Exit non-zero if accuracy drops by more than PP points.")
+@click.option(
+    "--max-drop",
+    "max_drop",
+    type=float,
+    help="Exit 4 if any output's main metric gets worse by more than this: points of accuracy or AUC, "
+    "percent of RMSE for regression.",
+)
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False), help="Also write the result as JSON ('-': stdout)."
 )
-def eval_command(model, reference, data, split, max_drop, json_path):
-    """Accuracy of MODEL and REFERENCE, drop, agreement, MAE, MSE, SQNR, cosine and size."""
+@click.option(
+    "--task",
+    metavar="KIND|NAME=KIND,...|FILE.json",
+    help="What each output is (default: the conversion manifest's record, else inferred).",
+)
+def eval_command(model, reference, data, split, max_drop, json_path, task):
+    """Each output of MODEL and REFERENCE scored by its task (accuracy, AUC, MAE/RMSE...), the drop,
+    agreement, MAE, MSE, SQNR, cosine and size."""
     import json
 
     from edgeq.artifacts import write_json_atomic
     from edgeq.evaluate import check_gate, evaluate
 
-    r = evaluate(model, reference, data, split, max_drop)
+    r = evaluate(model, reference, data, split, max_drop, task)
     if json_path == "-":
         click.echo(json.dumps(r.to_dict(), indent=2))
     else:
-        rows = [
-            ("accuracy", f"{r.reference_accuracy:.2%}", f"{r.accuracy:.2%}"),
-            ("accuracy drop (pp)", "", f"{r.drop_pp:+.2f}"),
-            ("top-1 agreement", "", f"{r.agreement:.2%}"),
-            ("MAE / MSE", "", f"{r.mae:.4g} / {r.mse:.4g}"),
-            ("SQNR (dB) / cosine", "", f"{r.sqnr_db:.1f} / {r.cosine:.4f}"),
-            ("size", f"{r.reference_size_bytes / 1024:.1f} KiB", f"{r.size_bytes / 1024:.1f} KiB ({r.size_ratio:.1%})"),
-        ]
-        click.echo(f"{r.data}: {r.samples} samples")
-        click.echo(table(["metric", "FP32 reference", f"{r.model_dtype} model"], rows))
+        click.echo(f"{r.data}: {r.samples} samples" + ("" if r.labelled else " (no labels: outputs compared only)"))
+        click.echo(table(["metric", "FP32 reference", f"{r.model_dtype} model"], _rows(r)))
         if json_path:
             write_json_atomic(json_path, r.to_dict())
     check_gate(r)
+
+
+def _value(name: str, value) -> str:
+    if value is None:
+        return "-"
+    if name in ("accuracy", "top5", "exact_match"):
+        return f"{value:.2%}"
+    return f"{value:.4g}"
+
+
+def _rows(r) -> list[tuple]:
+    """One block of rows per output (a one-output model: no name prefix), then the size."""
+    rows = []
+    several = len(r.outputs) > 1
+    for o in r.outputs:
+        prefix = f"{o['name']} ({o['task']}): " if several else ""
+        for key in sorted(set(o["reference_metrics"]) | set(o["metrics"]), key=_metric_order):
+            rows.append(
+                (prefix + key, _value(key, o["reference_metrics"].get(key)), _value(key, o["metrics"].get(key)))
+            )
+        if o["drop"] is not None:
+            what = "drop (pp)" if o["unit"] == "pp" else "increase (%)"
+            rows.append((f"{prefix}{o['primary']} {what}", "", f"{o['drop']:+.2f}"))
+        c = o["comparison"]
+        if c["agreement"] is not None:
+            rows.append((f"{prefix}top-1 agreement", "", f"{c['agreement']:.2%}"))
+        rows.append((f"{prefix}MAE / MSE", "", f"{c['mae']:.4g} / {c['mse']:.4g}"))
+        rows.append((f"{prefix}SQNR (dB) / cosine", "", f"{c['sqnr_db']:.1f} / {c['cosine']:.4f}"))
+    rows.append(
+        ("size", f"{r.reference_size_bytes / 1024:.1f} KiB", f"{r.size_bytes / 1024:.1f} KiB ({r.size_ratio:.1%})")
+    )
+    return rows
+
+
+_ORDER = ("accuracy", "top5", "exact_match", "auc", "pauc", "mae", "rmse", "max_error", "r2", "reconstruction_mse")
+
+
+def _metric_order(name: str) -> int:
+    return _ORDER.index(name) if name in _ORDER else len(_ORDER)

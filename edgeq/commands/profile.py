@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -87,16 +88,31 @@ def render(report) -> str:
     lines.append(f"(latency in ms over {runs.runs} runs after {runs.warmup} warm-up)")
     if report.model.accuracy is not None:
         acc = report.model.accuracy
-        text = f"accuracy {pct(acc.accuracy)} on {acc.samples} samples" if acc.labelled else "accuracy n/a (no labels)"
-        if report.reference is not None and report.reference.accuracy is not None:
-            text += f", reference {pct(report.reference.accuracy.accuracy)}"
-        lines += ["", text]
+        reference = report.reference.accuracy if report.reference is not None else None
+        if len(acc.outputs) > 1 or (acc.outputs and acc.outputs[0]["task"] not in ("classification", "binary")):
+            theirs = {o["name"]: o["metrics"] for o in (reference.outputs if reference else ())}
+            lines.append("")
+            for o in acc.outputs:
+                shown = ", ".join(_metric(k, v) for k, v in o["metrics"].items()) or "no metric (compared only)"
+                ref = ", ".join(_metric(k, v) for k, v in theirs.get(o["name"], {}).items())
+                lines.append(f"{o['name']} ({o['task']}): {shown}" + (f"; reference {ref}" if ref else ""))
+        else:
+            text = (
+                f"accuracy {pct(acc.accuracy)} on {acc.samples} samples" if acc.labelled else "accuracy n/a (no labels)"
+            )
+            if reference is not None:
+                text += f", reference {pct(reference.accuracy)}"
+            lines += ["", text]
     if report.agreement is not None:
         a = report.agreement
-        lines.append(
-            f"vs reference: top-1 agreement {pct(a.top1_agreement)}, max |error| {a.max_abs_error:.4g}, "
-            f"mean |error| {a.mean_abs_error:.4g}, rmse {a.rmse:.4g}"
-        )
+        for o in a.outputs or ({"name": "", **dataclasses.asdict(a)},):
+            label = f"vs reference, {o['name']}:" if len(a.outputs) > 1 else "vs reference:"
+            agreement = f"top-1 agreement {pct(o['top1_agreement'])}, " if o["top1_agreement"] is not None else ""
+            sqnr = f", SQNR {o['sqnr_db']:.1f} dB" if o.get("sqnr_db") is not None else ""
+            lines.append(
+                f"{label} {agreement}max |error| {o['max_abs_error']:.4g}, "
+                f"mean |error| {o['mean_abs_error']:.4g}, rmse {o['rmse']:.4g}{sqnr}"
+            )
     if report.comparison:
         rows = []
         for c in report.comparison:
@@ -104,6 +120,12 @@ def render(report) -> str:
             rows.append([str(c.threads), f"{c.speedup:.2f}x", f"{c.size_ratio:.3f}", drop])
         lines += ["", table(["threads", "speedup", "size ratio", "accuracy drop"], rows, numbers=True)]
     return "\n".join(lines)
+
+
+def _metric(name: str, value) -> str:
+    if value is None:
+        return f"{name} n/a"
+    return f"{name} {value:.2%}" if name in ("accuracy", "top5", "exact_match") else f"{name} {value:.4g}"
 
 
 @click.command("profile")

@@ -67,6 +67,20 @@ def _model_options(values: tuple[str, ...]) -> dict:
 @click.option(
     "-o", "--model-option", "model_options", multiple=True, help="Reference-model option KEY=VALUE (e.g. alpha=0.5)."
 )
+@click.option(
+    "--task",
+    metavar="KIND|NAME=KIND,...|FILE.json",
+    help="What each output is: classification, binary, multilabel, regression, reconstruction "
+    "(default: from its activation and the data).",
+)
+@click.option(
+    "--loss",
+    metavar="LOSS|NAME=LOSS,...",
+    help="Keras loss per output (default: the model file's compile config, else the task's).",
+)
+@click.option(
+    "--input-shape", metavar="HxWxC", help="Fix the free (None) dimensions of a fully convolutional model's input."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--augment", help="Image augmentation while training: flip, crop or flip,crop (seeded by --seed).")
 @click.option(
@@ -110,19 +124,27 @@ def train(model, out_dir, resume, force, model_options, activation_bits, **optio
         digest = f"; quantizer ranges sha256 {result.ranges['sha256']}" if result.ranges else ""
         click.echo(f"worker done: the chief wrote the run to {result.out_dir}{digest}")
         return
+    metric = result.stages[0].metric if result.stages else "accuracy"
+
+    def shown(value: float) -> str:
+        if value != value:  # NaN: e.g. an anomaly AUC on a split with normal samples only
+            return "-"
+        return f"{value:.2%}" if metric == "accuracy" else f"{value:.4g}"
+
     rows = [
         (
             s.name,
             s.kind,
             s.epochs,
             f"w{s.weight_bits}a{s.activation_bits}" if s.kind == "qat" else "fp32",
-            f"{s.val_accuracy:.2%}",
-            f"{s.test_accuracy:.2%}",
+            shown(s.val_accuracy),
+            shown(s.test_accuracy),
             f"{s.seconds:.1f}",
         )
         for s in result.stages
     ]
-    click.echo(table(["stage", "kind", "epochs", "precision", "val acc", "test acc", "seconds"], rows))
+    short = "acc" if metric == "accuracy" else metric
+    click.echo(table(["stage", "kind", "epochs", "precision", f"val {short}", f"test {short}", "seconds"], rows))
     if result.distribution and result.distribution.get("cross_replica_ranges"):
         click.echo(f"ranges under {result.distribution['strategy']}: {result.distribution['cross_replica_ranges']}")
     if result.float_layers:

@@ -57,6 +57,11 @@ def verify(
             | asdict(r)
         )
         agreement = "bit-exact" if r.bit_exact else f"max |diff| {r.max_abs_diff:g} ({r.max_abs_diff_float:.4g} float)"
+        if len(r.outputs) > 1:  # name each output: which head differs is the point
+            agreement = ", ".join(
+                f"{x['name']} " + ("bit-exact" if x["bit_exact"] else f"max |diff| {x['max_abs_diff']:g}")
+                for x in r.outputs
+            )
         rows.append(
             [
                 o.device,

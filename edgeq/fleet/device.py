@@ -73,22 +73,33 @@ def switch_link(link: str, target: str) -> None:
 
 
 def run_raw(model: str, inputs: str, out: str, runtime: str | None, delegate: str | None) -> None:
+    """Run already-quantized inputs (``input_names``, ``input_0``...) one sample at a time and save
+    every raw output by name (``output_names``, ``output_0``...)."""
     import numpy as np
 
     from edgeq.runtime.interpreter import TFLiteModel
 
     tfl = TFLiteModel(model, runtime=runtime, num_threads=1, delegate=delegate)
     with np.load(inputs) as data:
-        x = data["inputs"]
-    outputs = [np.array(tfl.invoke_raw(x[i : i + 1]), copy=True) for i in range(len(x))]
-    stacked = np.concatenate(outputs, axis=0) if outputs else np.zeros((0,))
+        names = [str(n) for n in data["input_names"]]
+        x = {name: data[f"input_{i}"] for i, name in enumerate(names)}
+    count = len(next(iter(x.values()))) if x else 0
+    got: dict = {name: [] for name in tfl.output_names}
+    for i in range(count):
+        for name, value in tfl.invoke_raw_outputs({k: v[i : i + 1] for k, v in x.items()}).items():
+            got[name].append(value)
+    outputs = {
+        f"output_{i}": np.concatenate(got[name], axis=0) if got[name] else np.zeros((0,))
+        for i, name in enumerate(tfl.output_names)
+    }
     tmp = out + ".part"  # edgeq.artifacts.atomic_path would do; see sha256_files for why not
     with open(tmp, "wb") as fh:
         np.savez(
             fh,
-            outputs=stacked,
+            output_names=np.array(tfl.output_names),
             machine=np.array(platform.machine()),
             runtime=np.array(f"{tfl.backend.name} {tfl.backend_version}"),
+            **outputs,
         )
     os.replace(tmp, out)
 

@@ -93,6 +93,7 @@ class VerifyResult:
     device_machine: str
     device_runtime: str
     host_runtime: str
+    outputs: tuple[dict, ...] = ()  # each output by name: bit_exact, max_abs_diff, top1_agreement
 
 
 def _noop(device: str, message: str) -> None:
@@ -304,21 +305,25 @@ def profile_on(
     )
 
 
-def quantized_inputs(model, data: str | Path, inputs: str = "x", limit: int | None = None) -> np.ndarray:
-    """The inputs of ``data`` in the model's input dtype, exactly as both sides will see them.
+def quantized_inputs(model, data: str | Path, inputs: str = "x", limit: int | None = None) -> dict[str, np.ndarray]:
+    """The inputs of ``data`` in each model input's dtype, by input name, exactly as both sides will see them.
 
-    Read by the input contract (edgeq.runtime.inputs) with the normalisation of the
-    manifest beside the model: raw uint8, float samples, or int8 codes of an int8 input.
+    Read by the input contract (edgeq.runtime.inputs) with the normalisation of the manifest
+    beside the model: raw uint8, float samples, or int8 codes of an int8 input. A model with
+    several inputs reads ``x_<input name>`` arrays.
     """
     from edgeq.runtime.inputs import model_inputs, normalization_beside, read_npz, samples_for
 
-    x = samples_for(read_npz(data), inputs, tuple(model.input.shape[1:]), data)
-    if limit:
-        x = x[:limit]
-    info = model.input
-    return model_inputs(
-        x, info.dtype, info.scale, info.zero_point, normalization_beside(model.path) if model.path else None, str(data)
-    )
+    arrays = read_npz(data)
+    normalization = normalization_beside(model.path) if model.path else None
+    result = {}
+    for name, info in zip(model.input_names, model.inputs):
+        key = inputs if len(model.inputs) == 1 else f"{inputs}_{name}"
+        x = samples_for(arrays, key, tuple(info.shape[1:]), data)
+        if limit:
+            x = x[:limit]
+        result[name] = model_inputs(x, info.dtype, info.scale, info.zero_point, normalization, str(data))
+    return result
 
 
 def verify_on(
@@ -336,11 +341,20 @@ def verify_on(
 
     host = TFLiteModel(model, num_threads=1, delegate=delegate)
     x = quantized_inputs(host, data, inputs, limit)
-    host_out = np.concatenate([np.array(host.invoke_raw(x[i : i + 1]), copy=True) for i in range(len(x))], axis=0)
+    count = len(next(iter(x.values())))
+    host_parts: dict[str, list] = {name: [] for name in host.output_names}
+    for i in range(count):
+        for name, value in host.invoke_raw_outputs({k: v[i : i + 1] for k, v in x.items()}).items():
+            host_parts[name].append(value)
+    host_out = {name: np.concatenate(parts, axis=0) for name, parts in host_parts.items()}
     with tempfile.TemporaryDirectory(prefix="edgeq-verify-") as tmp:
         stem = Path(model).stem
         inputs_file = Path(tmp) / f"{stem}.verify-inputs.npz"
-        np.savez(inputs_file, inputs=x)
+        np.savez(
+            inputs_file,
+            input_names=np.array(list(x)),
+            **{f"input_{i}": value for i, value in enumerate(x.values())},
+        )
         on_event(device.name, "connecting")
         with connect(device) as transport:
             pushed = push_to_device(transport, [Path(model), inputs_file], on_event)
@@ -352,31 +366,46 @@ def verify_on(
             argv += [_remote_path(pushed, inputs_file), remote_out, "--delegate", delegate]
             if device.runtime:
                 argv += ["--runtime", device.runtime]
-            on_event(device.name, f"running {len(x)} samples")
+            on_event(device.name, f"running {count} samples")
             result = transport.run(argv, env=runtime.env, cwd=runtime.workdir, timeout=PROFILE_TIMEOUT_S)
             if not result.ok:
                 raise DeviceError(f"{device.name}: running the model failed: {result.last_error_line()}")
             local_out = Path(tmp) / "outputs.npz"
             transport.download(remote_out, local_out)
         with np.load(local_out) as npz:
-            dev_out = np.asarray(npz["outputs"])
+            names = [str(n) for n in npz["output_names"]]
+            dev_out = {name: np.asarray(npz[f"output_{i}"]) for i, name in enumerate(names)}
             machine, dev_runtime = str(npz["machine"]), str(npz["runtime"])
-    if dev_out.shape != host_out.shape or dev_out.dtype != host_out.dtype:
-        raise DeviceError(
-            f"{device.name}: outputs of shape {dev_out.shape} {dev_out.dtype}, the host's are "
-            f"{host_out.shape} {host_out.dtype}"
+    rows = []
+    for name in host.output_names:
+        got, mine, info = dev_out.get(name), host_out[name], host.output_named(name)
+        if got is None or got.shape != mine.shape or got.dtype != mine.dtype:
+            raise DeviceError(
+                f"{device.name}: output {name!r} came back as {None if got is None else (got.shape, str(got.dtype))}, "
+                f"the host's is {mine.shape} {mine.dtype}"
+            )
+        diff = np.abs(got.astype(np.float64) - mine.astype(np.float64))
+        fdiff = np.abs(dequantize(got, info).astype(np.float64) - dequantize(mine, info))
+        rows.append(
+            {
+                "name": name,
+                "bit_exact": bool(np.array_equal(got, mine)),
+                "max_abs_diff": float(diff.max()) if diff.size else 0.0,
+                "max_abs_diff_float": float(fdiff.max()) if fdiff.size else 0.0,
+                "top1_agreement": top1_agreement(dequantize(mine, info), dequantize(got, info)) if count else 1.0,
+                "dtype": str(mine.dtype),
+            }
         )
-    diff = np.abs(dev_out.astype(np.float64) - host_out.astype(np.float64))
-    fdiff = np.abs(dequantize(dev_out, host.output).astype(np.float64) - dequantize(host_out, host.output))
-    agree = top1_agreement(dequantize(host_out, host.output), dequantize(dev_out, host.output)) if len(x) else 1.0
+    first = rows[0]
     return VerifyResult(
-        samples=len(x),
-        bit_exact=bool(np.array_equal(dev_out, host_out)),
-        max_abs_diff=float(diff.max()) if diff.size else 0.0,
-        max_abs_diff_float=float(fdiff.max()) if fdiff.size else 0.0,
-        top1_agreement=agree,
-        output_dtype=str(host_out.dtype),
+        samples=count,
+        bit_exact=all(r["bit_exact"] for r in rows),
+        max_abs_diff=max(r["max_abs_diff"] for r in rows),
+        max_abs_diff_float=max(r["max_abs_diff_float"] for r in rows),
+        top1_agreement=first["top1_agreement"],
+        output_dtype=first["dtype"],
         device_machine=machine,
         device_runtime=dev_runtime,
         host_runtime=f"{host.backend.name} {host.backend_version}",
+        outputs=tuple(rows),
     )

@@ -106,7 +106,12 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
             data=d.get("data"),
         )
         budget = _num(d.get("max_drop_pp"))
-        if budget is not None:
+        outputs = d.get("outputs") or []
+        if len(outputs) > 1 or (outputs and outputs[0].get("primary") != "accuracy"):
+            checks += _output_checks(d, budget)
+        elif d.get("drop_pp") is None:
+            checks.append(Check(None, f"{_name(d['model'])}: no labels, outputs compared only ({d.get('data')})"))
+        elif budget is not None:
             ok = bool(d.get("passed"))
             checks.append(
                 Check(
@@ -178,6 +183,84 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
         )
     ordered = sorted(rows.values(), key=lambda r: (not r.get("reference"), r["model"]))
     return [{**dict.fromkeys(MODEL_FIELDS), **r} for r in ordered], checks
+
+
+def _output_checks(d: dict, budget: float | None) -> list[Check]:
+    """One check per output with a primary metric: its drop against the budget (in the task's unit)."""
+    checks = []
+    for o in d.get("outputs") or []:
+        if o.get("drop") is None:
+            continue
+        unit = "pp" if o.get("unit") == "pp" else "%"
+        text = (
+            f"{_name(d['model'])}: output {o['name']} ({o['task']}) {o['primary']} "
+            f"{_metric(o['primary'], o['reference_metrics'].get(o['primary']))} -> "
+            f"{_metric(o['primary'], o['metrics'].get(o['primary']))}, drop {o['drop']:+.2f} {unit}"
+        )
+        if budget is None:
+            checks.append(Check(None, text + " (no budget given: edgeq eval --max-drop sets one)"))
+        else:
+            ok = o["drop"] <= budget
+            checks.append(Check(ok, f"{text} {'within' if ok else 'exceeds'} the {budget:g} {unit} budget"))
+    return checks
+
+
+def _metric(name: str, value: Any) -> str:
+    v = _num(value)
+    if v is None:
+        return "-"
+    return f"{v:.2%}" if name in ("accuracy", "top5", "exact_match") else f"{v:.4g}"
+
+
+def _outputs(sources: Sources) -> list[dict]:
+    """A row per output of each evaluated model and each device's profile, when a model has
+    several outputs or its output is not a classifier's: each judged by its own task."""
+    rows = []
+    for doc in sources.of("eval"):
+        d = doc.data
+        outputs = d.get("outputs") or []
+        if len(outputs) < 2 and all(o.get("task") == "classification" for o in outputs):
+            continue
+        for o in outputs:
+            c = o.get("comparison") or {}
+            rows.append(
+                {
+                    "where": _name(d["model"]),
+                    "output": o["name"],
+                    "task": o["task"],
+                    "metrics": ", ".join(
+                        f"{k} {_metric(k, o['reference_metrics'].get(k))} -> {_metric(k, v)}"
+                        for k, v in o["metrics"].items()
+                    )
+                    or "compared only",
+                    "drop": o.get("drop"),
+                    "unit": "pp" if o.get("unit") == "pp" else ("%" if o.get("unit") else ""),
+                    "sqnr_db": c.get("sqnr_db"),
+                    "agreement": c.get("agreement"),
+                }
+            )
+    for doc in sources.of("profile"):
+        if doc.device is None:
+            continue
+        acc = ((doc.data.get("model") or {}).get("accuracy") or {}).get("outputs") or []
+        agree = {o["name"]: o for o in ((doc.data.get("agreement") or {}).get("outputs") or [])}
+        if len(acc) < 2 and all(o.get("task") == "classification" for o in acc):
+            continue
+        for o in acc:
+            a = agree.get(o["name"], {})
+            rows.append(
+                {
+                    "where": f"device {doc.device}",
+                    "output": o["name"],
+                    "task": o["task"],
+                    "metrics": ", ".join(f"{k} {_metric(k, v)}" for k, v in o["metrics"].items()) or "compared only",
+                    "drop": None,
+                    "unit": "",
+                    "sqnr_db": a.get("sqnr_db"),
+                    "agreement": a.get("top1_agreement"),
+                }
+            )
+    return rows
 
 
 def _training(sources: Sources) -> list[dict]:
@@ -415,6 +498,12 @@ def _fleet(sources: Sources) -> tuple[list[dict], list[Check]]:
                 if v.get("bit_exact")
                 else f"max |diff| {v.get('max_abs_diff'):g} (tolerance {v.get('tolerance'):g})"
             )
+            if len(v.get("outputs") or []) > 1:  # which head differs is the point
+                row["verify"] += (
+                    " ("
+                    + ", ".join(f"{o['name']} {'bit-exact' if o.get('bit_exact') else 'differs'}" for o in v["outputs"])
+                    + ")"
+                )
             row["verify_ok"] = v.get("status") == "ok"
             row["top1_agreement"] = v.get("top1_agreement")
             row.setdefault("machine", v.get("device_machine"))
@@ -486,6 +575,7 @@ def render(sources: Sources, title: str | None = None) -> tuple[str, dict]:
         "edgeq_version": __version__,
         "verdict": _verdict(model_checks + plan_checks + fleet_checks),
         "models": models,
+        "outputs": _outputs(sources),
         "training": _training(sources),
         "sensitivity": _sensitivity(sources),
         "plans": plans,

@@ -249,3 +249,26 @@ def normalization_beside(model_path: str | Path) -> Normalization | None:
         return Normalization.from_dict(recorded)
     except (TypeError, ValueError) as exc:
         raise DataError(f"{manifest}: bad normalization record {recorded!r}") from exc
+
+
+def outputs_beside(model_path: str | Path) -> list[dict]:
+    """The outputs (name, task, ...) the manifest beside ``model_path`` records, in the model's order ([]: none)."""
+    manifest = manifest_beside(model_path)
+    if not manifest.is_file():
+        return []
+    try:
+        recorded = json.loads(manifest.read_text(encoding="utf-8")).get("outputs", [])
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DataError(f"{manifest}: not a readable edgeq manifest ({exc}); remove it or convert again") from exc
+    return [o for o in recorded if isinstance(o, dict) and "name" in o] if isinstance(recorded, list) else []
+
+
+def holds_class_ids(y: np.ndarray) -> bool:
+    """Whether labels are class ids rather than float targets: integers (N,) or (N, 1), whole
+    floats (N,), or one-hot rows (N, K). A float (N, 1) or (N, K) array is regression targets."""
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] > 1:
+        return bool(np.all((y == 0) | (y == 1)) and np.all(y.sum(axis=1) == 1))
+    if np.issubdtype(y.dtype, np.integer):
+        return y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)
+    return y.ndim == 1 and np.issubdtype(y.dtype, np.floating) and bool(np.all(np.mod(y, 1) == 0))

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,24 @@ class OpInfo:
     op_name: str
     input_dtypes: tuple[str, ...]
     output_dtypes: tuple[str, ...]
+
+
+def _signature_names(interpreter) -> tuple[dict[int, str], dict[int, str]]:
+    """{tensor index: name} of the inputs and outputs of the model's one signature ({} without one).
+
+    A Keras model converted by edgeq has one signature whose names are the Keras input and
+    output names; a .tflite without signatures keeps its tensor names.
+    """
+    try:
+        signatures = interpreter.get_signature_list()
+        if len(signatures) != 1:
+            return {}, {}
+        runner = interpreter.get_signature_runner(next(iter(signatures)))
+        inputs = {int(d["index"]): name for name, d in runner.get_input_details().items()}
+        outputs = {int(d["index"]): name for name, d in runner.get_output_details().items()}
+    except (AttributeError, ValueError, RuntimeError, KeyError):
+        return {}, {}
+    return inputs, outputs
 
 
 def _tensor_info(detail: dict) -> TensorInfo:
@@ -244,12 +263,42 @@ class TFLiteModel:
             with native_stderr_to_log():
                 self.interpreter = module.Interpreter(**kwargs)
                 self.interpreter.allocate_tensors()
-            self.inputs = [_tensor_info(d) for d in self.interpreter.get_input_details()]
-            self.outputs = [_tensor_info(d) for d in self.interpreter.get_output_details()]
+            self._read_details()
+            self._names = _signature_names(self.interpreter)
         except (ValueError, RuntimeError, TypeError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(f"{where}: the interpreter cannot load it: {first}") from exc
         self._where = where
+
+    def _read_details(self) -> None:
+        self.inputs = [_tensor_info(d) for d in self.interpreter.get_input_details()]
+        self.outputs = [_tensor_info(d) for d in self.interpreter.get_output_details()]
+
+    @property
+    def input_names(self) -> list[str]:
+        """Each input's name, as ``inputs`` orders them: its signature name (the Keras input's)."""
+        return [self._names[0].get(t.index, t.name) for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        """Each output's name, as ``outputs`` orders them: its signature name (the Keras output's).
+
+        The converter orders a .tflite's output tensors as it likes (not as the Keras model
+        did), so outputs are matched by these names, never by position.
+        """
+        return [self._names[1].get(t.index, t.name) for t in self.outputs]
+
+    def output_named(self, name: str) -> TensorInfo:
+        for info, key in zip(self.outputs, self.output_names):
+            if key == name:
+                return info
+        raise ModelLoadError(f"{self._where}: no output named {name!r} (it has {', '.join(self.output_names)})")
+
+    def input_named(self, name: str) -> TensorInfo:
+        for info, key in zip(self.inputs, self.input_names):
+            if key == name:
+                return info
+        raise ModelLoadError(f"{self._where}: no input named {name!r} (it has {', '.join(self.input_names)})")
 
     def _check_custom_ops(self, desc: ModelDesc, where: str) -> None:
         """Name the custom ops this runtime lacks before the interpreter fails on them."""
@@ -275,13 +324,20 @@ class TFLiteModel:
         return self.outputs[0]
 
     def _resize_for_batch(self, batch: int) -> None:
-        shape = list(self.input.shape)
-        if shape and shape[0] != batch:
-            shape[0] = batch
-            self.interpreter.resize_tensor_input(self.input.index, shape)
+        resized = False
+        for info in self.inputs:
+            shape = list(info.shape)
+            if shape and shape[0] != batch:
+                shape[0] = batch
+                self.interpreter.resize_tensor_input(info.index, shape)
+                resized = True
+        if resized:
             self.interpreter.allocate_tensors()
-            self.inputs = [_tensor_info(d) for d in self.interpreter.get_input_details()]
-            self.outputs = [_tensor_info(d) for d in self.interpreter.get_output_details()]
+            self._read_details()
+
+    def _failed(self, exc: Exception) -> ModelLoadError:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return ModelLoadError(f"{getattr(self, '_where', 'model')}: the interpreter cannot run it: {first}")
 
     def invoke_raw(self, x_quantized: np.ndarray) -> np.ndarray:
         """Run one batch already in the input's dtype; return the raw first output."""
@@ -290,27 +346,69 @@ class TFLiteModel:
             self.interpreter.invoke()
             return self.interpreter.get_tensor(self.output.index)
         except (ValueError, RuntimeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelLoadError(f"{getattr(self, '_where', 'model')}: the interpreter cannot run it: {first}") from exc
+            raise self._failed(exc) from exc
+
+    def invoke_raw_outputs(self, x_quantized: Mapping[str, np.ndarray] | np.ndarray) -> dict[str, np.ndarray]:
+        """Run one batch already in the inputs' dtypes (by input name); every raw output by name."""
+        feeds = self._by_input_name(x_quantized)
+        try:
+            for info, name in zip(self.inputs, self.input_names):
+                self.interpreter.set_tensor(info.index, feeds[name])
+            self.interpreter.invoke()
+            return {
+                name: np.array(self.interpreter.get_tensor(info.index), copy=True)
+                for info, name in zip(self.outputs, self.output_names)
+            }
+        except (ValueError, RuntimeError) as exc:
+            raise self._failed(exc) from exc
+
+    def _by_input_name(self, x: Mapping[str, np.ndarray] | np.ndarray) -> dict[str, np.ndarray]:
+        names = self.input_names
+        if not isinstance(x, Mapping):
+            if len(names) != 1:
+                raise ModelLoadError(
+                    f"{self._where} has {len(names)} inputs ({', '.join(names)}): give one array per input name"
+                )
+            return {names[0]: x}
+        missing = [n for n in names if n not in x]
+        if missing:
+            raise ModelLoadError(f"{self._where}: no data for input(s) {', '.join(missing)} (given: {', '.join(x)})")
+        return {n: x[n] for n in names}
+
+    def predict_outputs(self, x: Mapping[str, np.ndarray] | np.ndarray, batch_size: int = 1) -> dict[str, np.ndarray]:
+        """Float inputs (one array, or one per input name) -> every dequantized output, by name."""
+        feeds = {name: np.asarray(v, dtype=np.float32) for name, v in self._by_input_name(x).items()}
+        count = len(next(iter(feeds.values())))
+        for info, name in zip(self.inputs, self.input_names):
+            expected = tuple(info.shape[1:])
+            if tuple(feeds[name].shape[1:]) != expected or len(feeds[name]) != count:
+                raise ModelLoadError(
+                    f"input {name!r}: shape {tuple(feeds[name].shape[1:])} does not fit the model input {expected}"
+                    + (f" of {self.path}" if self.path else "")
+                )
+        results: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
+        for start in range(0, count, batch_size):
+            chunk = {name: v[start : start + batch_size] for name, v in feeds.items()}
+            self._resize_for_batch(len(next(iter(chunk.values()))))
+            quantized = {name: quantize(chunk[name], info) for info, name in zip(self.inputs, self.input_names)}
+            raw = self.invoke_raw_outputs(quantized)
+            for info, name in zip(self.outputs, self.output_names):
+                results[name].append(dequantize(raw[name], info))
+        return {
+            name: np.concatenate(parts, axis=0)
+            if parts
+            else np.zeros((0, *self.output_named(name).shape[1:]), dtype=np.float32)
+            for name, parts in results.items()
+        }
 
     def predict(self, x: np.ndarray, batch_size: int = 1) -> np.ndarray:
-        """Float inputs (N, ...) -> dequantized float first output (N, ...)."""
-        x = np.asarray(x, dtype=np.float32)
-        expected = tuple(self.input.shape[1:])
-        if tuple(x.shape[1:]) != expected:
+        """Float inputs (N, ...) -> the dequantized float output (N, ...) of a one-output model."""
+        if len(self.outputs) != 1:
             raise ModelLoadError(
-                f"input shape {tuple(x.shape[1:])} does not fit the model input {expected}"
-                + (f" of {self.path}" if self.path else "")
+                f"{self._where} has {len(self.outputs)} outputs ({', '.join(self.output_names)}); "
+                "they are read by name (predict_outputs)"
             )
-        results = []
-        for start in range(0, len(x), batch_size):
-            chunk = x[start : start + batch_size]
-            self._resize_for_batch(len(chunk))
-            raw = self.invoke_raw(quantize(chunk, self.input))
-            results.append(dequantize(raw, self.output))
-        if not results:
-            return np.zeros((0,) + tuple(self.output.shape[1:]), dtype=np.float32)
-        return np.concatenate(results, axis=0)
+        return self.predict_outputs(x, batch_size)[self.output_names[0]]
 
     def ops(self) -> list[OpInfo]:
         """The ops of the graph with the dtypes of their inputs and outputs."""

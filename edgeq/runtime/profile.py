@@ -28,17 +28,19 @@ import numpy as np
 from edgeq import __version__
 from edgeq.artifacts import sha256_bytes
 from edgeq.errors import DataError, ModelLoadError, UsageError
-from edgeq.metrics import accuracy, class_scores, compare_outputs
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
     Normalization,
     class_labels,
+    holds_class_ids,
     normalization_beside,
+    outputs_beside,
     read_npz,
     samples,
     samples_for,
 )
 from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, quantize
+from edgeq.tasks import TASKS, OutputSpec, compare, score, specs_for
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +134,8 @@ class ModelFacts:
 class AccuracyStats:
     samples: int
     labelled: bool
-    accuracy: float | None  # top-1 against the labels; None without labels
+    accuracy: float | None  # the first output's primary metric (top-1 of a classifier); None without labels
+    outputs: tuple[dict, ...] = ()  # each output: name, task, its task's metrics (edgeq.tasks.score)
 
 
 @dataclass(frozen=True)
@@ -144,13 +147,15 @@ class ModelProfile:
 
 @dataclass(frozen=True)
 class Agreement:
-    """The model's outputs against the reference's on the same data."""
+    """The model's outputs against the reference's on the same data (the first output; ``outputs``: each)."""
 
     samples: int
-    top1_agreement: float
+    top1_agreement: float | None  # None: the output is not classes
     max_abs_error: float
     mean_abs_error: float
     rmse: float
+    sqnr_db: float | None = None
+    outputs: tuple[dict, ...] = ()  # each output by name: agreement, SQNR, max abs error
 
 
 @dataclass(frozen=True)
@@ -352,41 +357,82 @@ def reset_peak_rss() -> bool:
 
 @dataclass(frozen=True)
 class Dataset:
-    x: np.ndarray  # float32, batch first, in the model's float range
-    y: np.ndarray | None  # int64 class ids
+    x: np.ndarray | dict  # float32, batch first, in the model's float range; a dict by input name for several
+    y: np.ndarray | dict | None  # class ids or float targets; a dict by output name; None without labels
     info: DataInfo
+
+    @property
+    def count(self) -> int:
+        return len(next(iter(self.x.values()))) if isinstance(self.x, dict) else len(self.x)
+
+    def targets(self, output: str, outputs: int):
+        if self.y is None:
+            return None
+        if isinstance(self.y, dict):
+            return self.y.get(output)
+        return self.y if outputs == 1 or output == "" else None
 
 
 def load_npz(
     path: str | Path,
-    model_input: TensorInfo,
+    model_input: TensorInfo | dict,
     labels: str | None = None,
     inputs: str = "x",
     normalization: Normalization | None = None,
 ) -> Dataset:
-    """Load ``x`` (and labels) from an .npz and check that they fit ``model_input``.
+    """Load inputs (and labels) from an .npz and check that they fit the model's input(s).
 
-    ``x`` is read by the input contract (edgeq.runtime.inputs): raw uint8 normalised as
-    ``normalization`` (the model's manifest) says, float samples checked against it, or
-    int8 codes of an int8 input. Labels are ``labels`` if given (then required), else
-    ``y`` if present: class ids (N,) or one-hot (N, classes).
+    ``model_input``: the input's TensorInfo, or {input name: TensorInfo} for several inputs,
+    read from ``x_<name>`` arrays. Inputs are read by the input contract (edgeq.runtime.inputs):
+    raw uint8 normalised as ``normalization`` (the model's manifest) says, float samples
+    checked against it, or int8 codes of an int8 input. Labels are ``labels`` if given (then
+    required), else ``y`` (or ``y_<output name>`` for each output) if present: class ids (N,),
+    one-hot (N, classes), or float targets.
     """
     path = Path(path)
     arrays = read_npz(path)
     content = path.read_bytes()
-    x = samples_for(arrays, inputs, tuple(model_input.shape[1:]), path)
-    # the one input contract: raw uint8, float samples, or the codes of an int8 input (dequantized
-    # here; predict quantizes them back to the same codes). A --compare FP32 model gets these too.
-    int8_input = (model_input.scale, model_input.zero_point) if model_input.dtype == "int8" else None
-    x = samples(x, normalization, str(path), int8_input=int8_input)
-    key = labels if labels is not None else ("y" if "y" in arrays else None)
+    infos = model_input if isinstance(model_input, dict) else {"": model_input}
+
+    def read(key: str, info: TensorInfo) -> np.ndarray:
+        x = samples_for(arrays, key, tuple(info.shape[1:]), path)
+        # the one input contract: raw uint8, float samples, or the codes of an int8 input (dequantized
+        # here; predict quantizes them back to the same codes). A --compare FP32 model gets these too.
+        int8_input = (info.scale, info.zero_point) if info.dtype == "int8" else None
+        return samples(x, normalization, str(path), int8_input=int8_input)
+
+    if len(infos) == 1:
+        x = read(inputs, next(iter(infos.values())))
+        count = len(x)
+    else:
+        x = {name: read(f"{inputs}_{name}", info) for name, info in infos.items()}
+        counts = {len(v) for v in x.values()}
+        if len(counts) != 1:
+            raise DataError(f"{path}: the input arrays hold different numbers of samples ({sorted(counts)})")
+        count = counts.pop()
+    named = {k[2:]: v for k, v in arrays.items() if k.startswith("y_")}
+    key = labels if labels is not None else ("y" if "y" in arrays else ("y_*" if named else None))
     y = None
-    if key is not None:
+    if key == "y_*":
+        y = {name: _targets(v, count, path, f"y_{name}") for name, v in named.items()}
+    elif key is not None:
         if key not in arrays:
             raise DataError(f"{path}: labels missing: no array {key!r} (it has {', '.join(sorted(arrays))})")
-        y = class_labels(arrays[key], len(x), str(path), key)
-    info = DataInfo(str(path), sha256_bytes(content), int(len(x)), key)
+        y = _targets(arrays[key], count, path, key)
+    info = DataInfo(str(path), sha256_bytes(content), int(count), key)
     return Dataset(x, y, info)
+
+
+def _targets(y: np.ndarray, count: int, path: Path, key: str) -> np.ndarray:
+    """Class ids (runtime.inputs.holds_class_ids), or float targets (regression)."""
+    y = np.asarray(y)
+    if holds_class_ids(y):
+        return class_labels(y, count, str(path), key)
+    if len(y) != count:
+        raise DataError(f"{path}: {len(y)} labels in {key!r} for {count} inputs")
+    if not np.issubdtype(y.dtype, np.number):
+        raise DataError(f"{path}: labels {key!r} must be class ids (N,), one-hot (N, C) or float targets")
+    return y.astype(np.float32)
 
 
 # ---------------------------------------------------------------------- measure
@@ -416,10 +462,11 @@ def _sample_inputs(model: TFLiteModel, data: Dataset | None) -> list[np.ndarray]
     """One batch per model input: the first data sample, else deterministic random values."""
     rng = np.random.default_rng(0)
     batches = []
-    for i, info in enumerate(model.inputs):
-        if data is not None and i == 0:
+    for info, name in zip(model.inputs, model.input_names):
+        x = (data.x.get(name) if isinstance(data.x, dict) else data.x) if data is not None else None
+        if x is not None and (not isinstance(data.x, dict) or len(model.inputs) > 1):
             batch = info.shape[0] if info.shape and info.shape[0] > 0 else 1
-            batches.append(quantize(data.x[:batch], info))
+            batches.append(quantize(x[:batch], info))
             continue
         dtype = np.dtype(info.dtype)
         shape = tuple(max(d, 1) for d in info.shape)
@@ -529,32 +576,61 @@ def measure_run(
     return result, model
 
 
-def predict_all(model: TFLiteModel, x: np.ndarray, progress: bool | None = None, desc: str = "accuracy") -> np.ndarray:
-    """Dequantized first output for every sample of ``x``, a batch at a time."""
-    batch = model.input.shape[0] if model.input.shape and model.input.shape[0] > 0 else 1
-    chunks = range(0, len(x), batch)
-    bar = _progress(len(chunks), desc, bool(progress) if progress is not None else len(x) > 2000)
-    outputs = []
+def predict_all(
+    model: TFLiteModel, x: np.ndarray | dict, progress: bool | None = None, desc: str = "accuracy"
+) -> dict[str, np.ndarray]:
+    """Every dequantized output, by name, for every sample of ``x``, a batch at a time."""
+    first = model.inputs[0]
+    batch = first.shape[0] if first.shape and first.shape[0] > 0 else 1
+    count = len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
+    chunks = range(0, count, batch)
+    bar = _progress(len(chunks), desc, bool(progress) if progress is not None else count > 2000)
+    outputs: dict[str, list[np.ndarray]] = {}
     try:
         for start in chunks:
-            outputs.append(model.predict(x[start : start + batch], batch_size=batch))
+            part = (
+                {k: v[start : start + batch] for k, v in x.items()} if isinstance(x, dict) else x[start : start + batch]
+            )
+            for name, value in model.predict_outputs(part, batch_size=batch).items():
+                outputs.setdefault(name, []).append(value)
             bar.update(1)
     finally:
         bar.close()
-    return np.concatenate(outputs, axis=0)
+    return {name: np.concatenate(parts, axis=0) for name, parts in outputs.items()}
 
 
-def _accuracy(outputs: np.ndarray, data: Dataset, where: str) -> AccuracyStats:
+def output_specs(path: Path, model: TFLiteModel, data: Dataset | None) -> list[OutputSpec]:
+    """Each output's task: what the conversion manifest beside the model recorded, else inferred
+    from the labels (no activation is known on the device)."""
+    recorded = {o["name"]: o for o in outputs_beside(path)}
+    names = model.output_names
+    order = [n for n in recorded if n in names] if sorted(recorded) == sorted(names) else names
+    shapes = {n: tuple(model.output_named(n).shape[1:]) for n in names}
+    targets = {n: data.targets(n, len(names)) for n in names} if data is not None else {}
+    return specs_for(order, shapes, None, recorded, None, targets, None)
+
+
+def _accuracy(outputs: dict[str, np.ndarray], data: Dataset, specs: list[OutputSpec], where: str) -> AccuracyStats:
+    """Each output scored by its task against the data's labels (the same scoring as edgeq eval)."""
     if data.y is None:
-        return AccuracyStats(samples=len(outputs), labelled=False, accuracy=None)
-    scores = class_scores(outputs)
-    classes = 2 if scores is not None and scores.shape[1] == 1 else (scores.shape[1] if scores is not None else 0)
-    if scores is not None and (data.y.min() < 0 or data.y.max() >= classes):
-        raise DataError(
-            f"{data.info.path}: labels run from {int(data.y.min())} to {int(data.y.max())} "
-            f"but {where} has {classes} output classes"
-        )
-    return AccuracyStats(samples=len(outputs), labelled=True, accuracy=round(accuracy(outputs, data.y, where), 6))
+        return AccuracyStats(samples=data.count, labelled=False, accuracy=None)
+    rows, first = [], None
+    for spec in specs:
+        targets = data.targets(spec.name, len(specs))
+        if spec.kind in ("classification", "binary") and targets is not None:
+            classes = int(np.prod(spec.shape)) if spec.kind == "classification" else 2
+            if np.issubdtype(np.asarray(targets).dtype, np.integer) and (targets.min() < 0 or targets.max() >= classes):
+                raise DataError(
+                    f"{data.info.path}: labels run from {int(targets.min())} to {int(targets.max())} "
+                    f"but {where} has {classes} output classes"
+                )
+        metrics = score(spec, outputs[spec.name], targets, data.x if not isinstance(data.x, dict) else None)
+        metrics = {k: round(v, 6) if isinstance(v, float) and math.isfinite(v) else v for k, v in metrics.items()}
+        rows.append({"name": spec.name, "task": spec.kind, "metrics": metrics})
+        primary = TASKS[spec.kind].primary
+        if first is None and primary in metrics:
+            first = metrics[primary]
+    return AccuracyStats(samples=data.count, labelled=True, accuracy=first, outputs=tuple(rows))
 
 
 def _facts(model: TFLiteModel) -> ModelFacts:
@@ -577,21 +653,23 @@ def _facts(model: TFLiteModel) -> ModelFacts:
 
 def _profile_one(
     path: Path, threads: tuple[int, ...], data: Dataset | None, kwargs: dict[str, Any]
-) -> tuple[ModelProfile, np.ndarray | None]:
+) -> tuple[ModelProfile, dict | None, list[OutputSpec]]:
     runs: list[RunResult] = []
     outputs = None
     facts = None
+    specs: list[OutputSpec] = []
     for count in threads:
         result, model = measure_run(path, threads=count, data=data, **kwargs)
         runs.append(result)
         if facts is None:
             facts = _facts(model)
+            specs = output_specs(path, model, data)
             if data is not None:
                 outputs = predict_all(model, data.x, kwargs.get("progress"), desc=f"{path.name} accuracy")
         del model
-    accuracy = _accuracy(outputs, data, str(path)) if data is not None and outputs is not None else None
+    accuracy = _accuracy(outputs, data, specs, str(path)) if data is not None and outputs is not None else None
     assert facts is not None
-    return ModelProfile(model=facts, runs=tuple(runs), accuracy=accuracy), outputs
+    return ModelProfile(model=facts, runs=tuple(runs), accuracy=accuracy), outputs, specs
 
 
 def profile_model(
@@ -636,19 +714,18 @@ def profile_model(
     if data is not None:
         # The input spec comes from a quick load; a bad .npz fails before any timing.
         probe = TFLiteModel(model_path, runtime=runtime, num_threads=1, delegate=delegate or "xnnpack")
-        if len(probe.inputs) != 1:
-            raise UsageError(f"{model_path}: --data supports models with one input, this one has {len(probe.inputs)}")
-        dataset = load_npz(data, probe.input, labels=labels, normalization=normalization_beside(model_path))
+        infos = probe.input if len(probe.inputs) == 1 else dict(zip(probe.input_names, probe.inputs))
+        dataset = load_npz(data, infos, labels=labels, normalization=normalization_beside(model_path))
         del probe
     elif labels is not None:
         raise UsageError("--labels needs --data")
 
     before = thermal_state()  # a throttling device's latency is not its latency: read it around the runs
-    main, outputs = _profile_one(model_path, threads, dataset, {**common, "delegate": delegate})
+    main, outputs, specs = _profile_one(model_path, threads, dataset, {**common, "delegate": delegate})
     reference = ref_outputs = agreement = None
     if compare is not None:
         compare = Path(compare)
-        reference, ref_outputs = _profile_one(compare, threads, dataset, {**common, "delegate": "xnnpack"})
+        reference, ref_outputs, _ = _profile_one(compare, threads, dataset, {**common, "delegate": "xnnpack"})
         ref_in = reference.model.inputs[0].shape[1:] if reference.model.inputs else ()
         if main.model.inputs and tuple(ref_in) != tuple(main.model.inputs[0].shape[1:]):
             raise UsageError(
@@ -656,22 +733,12 @@ def profile_model(
                 f"{model_path} takes {tuple(main.model.inputs[0].shape[1:])}: they are not the same network"
             )
     if outputs is not None and ref_outputs is not None:
-        if outputs.shape != ref_outputs.shape:
-            raise UsageError(f"outputs differ in shape: {outputs.shape} vs reference {ref_outputs.shape}")
-        # The same metric definitions as edgeq eval and convert's verification (numpy only).
-        cmp = compare_outputs(ref_outputs, outputs)
-        agreement = Agreement(
-            samples=cmp.samples,
-            top1_agreement=round(cmp.agreement, 6),
-            max_abs_error=round(cmp.max_abs_error, 6),
-            mean_abs_error=round(cmp.mae, 6),
-            rmse=round(float(np.sqrt(cmp.mse)), 6),
-        )
+        agreement = _agreement(specs, outputs, ref_outputs, compare)
 
     comparison: list[Comparison] = []
     if reference is not None:
         drop = None
-        if main.accuracy and reference.accuracy and main.accuracy.labelled:
+        if main.accuracy and reference.accuracy and main.accuracy.labelled and main.accuracy.accuracy is not None:
             drop = round(reference.accuracy.accuracy - main.accuracy.accuracy, 6)
         for mine, theirs in zip(main.runs, reference.runs):
             comparison.append(
@@ -706,6 +773,42 @@ def profile_model(
         comparison=tuple(comparison),
         data=dataset.info if dataset is not None else None,
         thermal=Thermal(before, after, throttled_between(before, after)),
+    )
+
+
+def _agreement(specs: list[OutputSpec], outputs: dict, ref_outputs: dict, reference) -> Agreement:
+    """Each output against the reference's output of the same name (the same measures as eval and convert)."""
+    rows = []
+    for spec in specs:
+        if spec.name not in ref_outputs:
+            raise UsageError(
+                f"--compare {reference} has no output named {spec.name!r} (it has {', '.join(ref_outputs)}): "
+                "it is not the same network"
+            )
+        got, ref = outputs[spec.name], ref_outputs[spec.name]
+        if got.shape != ref.shape:
+            raise UsageError(f"output {spec.name!r} differs in shape: {got.shape} vs reference {ref.shape}")
+        cmp = compare(spec, ref, got)
+        rows.append(
+            {
+                "name": spec.name,
+                "task": spec.kind,
+                "top1_agreement": round(cmp.agreement, 6) if math.isfinite(cmp.agreement) else None,
+                "max_abs_error": round(cmp.max_abs_error, 6),
+                "mean_abs_error": round(cmp.mae, 6),
+                "rmse": round(float(np.sqrt(cmp.mse)), 6),
+                "sqnr_db": round(cmp.sqnr_db, 3) if math.isfinite(cmp.sqnr_db) else None,
+            }
+        )
+    first = rows[0]
+    return Agreement(
+        samples=len(next(iter(outputs.values()))),
+        top1_agreement=first["top1_agreement"],
+        max_abs_error=first["max_abs_error"],
+        mean_abs_error=first["mean_abs_error"],
+        rmse=first["rmse"],
+        sqnr_db=first["sqnr_db"],
+        outputs=tuple(rows),
     )
 
 

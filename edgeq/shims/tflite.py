@@ -96,24 +96,39 @@ def with_tensor_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model))
 
 
-def keras_converter(model, static_batch: bool = False):
+def keras_converter(model, static_batch: bool = False, input_shapes: dict | None = None):
     """A TFLiteConverter for a Keras model (tf_keras or Keras 3), from one traced call.
 
     ``from_keras_model`` first saves the whole model as a SavedModel, and tf_keras's legacy
     serialization traces every layer's functions for it: on a QAT MobileNet (32x32) that is
     27 of the 38 seconds a conversion takes. The converter reads only the model's call and
     its variables, so those are all it is given; the .tflite is the same (same ops, same
-    quantization, outputs bit-exact on the models in the tests). Models with more than one
-    input or output keep ``from_keras_model``, which knows how to name and order them.
-    ``static_batch`` fixes the batch dimension at 1 (the Edge TPU compiler wants every shape).
+    quantization, outputs bit-exact on the models in the tests).
+
+    The call takes the inputs by name and returns a dict of the outputs by name, so the
+    .tflite's signature names every input and output as the Keras model does (converting a
+    Keras 3 model otherwise names them output_0, output_1, ..., and the output tensors come
+    in the converter's order, not the model's). ``static_batch`` fixes the batch dimension at 1
+    (the Edge TPU compiler wants every shape); ``input_shapes`` ({name: shape}) fixes the None
+    dimensions of a fully convolutional model.
     """
-    if len(model.inputs) != 1 or len(model.outputs) != 1:
-        return tf.lite.TFLiteConverter.from_keras_model(model)
-    tensor = model.inputs[0]
-    name = getattr(tensor, "name", None) or "input"
-    name = name.split(":")[0].replace("/", "_")
-    spec = tf.TensorSpec([1 if static_batch else None, *tensor.shape[1:]], tensor.dtype, name=name)
-    function = tf.function(lambda x: model(x, training=False), input_signature=[spec])
+    from edgeq.names import input_names, output_names
+
+    names, outs = input_names(model), output_names(model)
+    specs = []
+    for name, tensor in zip(names, model.inputs):
+        shape = list((input_shapes or {}).get(name) or tensor.shape[1:])
+        specs.append(tf.TensorSpec([1 if static_batch else None, *shape], tensor.dtype, name=name))
+
+    def call(*args):
+        result = model(list(args) if len(args) > 1 else args[0], training=False)
+        if isinstance(result, dict):
+            return {str(k): v for k, v in result.items()}
+        if isinstance(result, (list, tuple)):
+            return dict(zip(outs, result))
+        return {outs[0]: result}
+
+    function = tf.function(call, input_signature=specs)
     holder = tf.Module()
     # a Keras 3 variable holds its tf.Variable as .value; a tf_keras one is a tf.Variable
     holder.variables_of_the_model = [v if isinstance(v, tf.Variable) else v.value for v in model.variables]

@@ -30,23 +30,30 @@ import numpy as np
 
 from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_atomic
 from edgeq.compat import keras, tf
-from edgeq.data import load_dataset
+from edgeq.data import load_dataset, normal_samples_for_training
 from edgeq.errors import DataError, TrainingDiverged, TrainingInterrupted, UsageError
 from edgeq.model_io import (
     FP32_NAME,
     QAT_FLOAT_NAME,
     QAT_NAME,
     as_tf_keras,
+    concatenated_outputs,
     copy_weights_into,
+    input_shapes,
     is_keras3_model,
     is_model_path,
+    keras_outputs_in_order,
     load_user_model,
+    output_specs,
+    with_input_shape,
 )
+from edgeq.tasks import score, task
 from edgeq.train import distribute, pipeline, schemes
 from edgeq.train.layer_config import LayerConfig, LayerPrecision
+from edgeq.train.objectives import check_targets, compile_for, objectives, target_plan
 from edgeq.train.observe import initialize_ranges, input_preprocessing
 from edgeq.train.schedule import Stage, make_schedule
-from edgeq.transforms.fold import fold_batchnorm
+from edgeq.transforms.fold import fold_batchnorm, needs_fold_before_qat
 from edgeq.transforms.tfops import replace_tf_ops
 
 log = logging.getLogger(__name__)
@@ -75,6 +82,9 @@ class TrainConfig:
     model_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     augment: str | None = None  # image augmentation while training: "flip", "crop" or "flip,crop"
+    task: str | None = None  # what each output is (--task KIND | NAME=KIND,... | FILE.json); None: inferred
+    loss: str | None = None  # --loss LOSS | NAME=LOSS,...; None: the model file's compile config, else the task's
+    input_shape: str | None = None  # --input-shape HxWxC: fixes a fully convolutional model's free dimensions
     # tf.distribute (edgeq.train.distribute); these describe this process, not the run, so
     # --resume takes them from the command line, not from the saved options
     strategy: str = "default"
@@ -93,9 +103,10 @@ class StageResult:
     epochs: int
     weight_bits: int
     activation_bits: int
-    val_accuracy: float
+    val_accuracy: float  # the first output's primary metric (accuracy for a classifier): ``metric``
     test_accuracy: float
     seconds: float
+    metric: str = "accuracy"
 
 
 @dataclass(frozen=True)
@@ -165,13 +176,17 @@ def quantizer_ranges(qat_model) -> dict:
     return {"variables": count, "sha256": digest.hexdigest(), "equal_across_local_replicas": bool(equal)}
 
 
-def _compile(model, learning_rate: float, clip_norm=None, clip_value=None) -> None:
+def _compile(model, learning_rate: float, clip_norm=None, clip_value=None, objs=None) -> None:
+    """Adam with the run's clipping; one loss per output (``objs``; default: a classifier's)."""
     kwargs = {}
     if clip_norm:
         kwargs["clipnorm"] = float(clip_norm)
     if clip_value:
         kwargs["clipvalue"] = float(clip_value)
     optimizer = keras.optimizers.Adam(learning_rate=learning_rate, **kwargs)
+    if objs is not None:
+        compile_for(model, objs, optimizer)
+        return
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=not _output_is_probability(model))
     model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
 
@@ -227,9 +242,14 @@ class _EpochRecorder(keras.callbacks.Callback):
         if self.run.chief:
             _test_hooks(self.stage_index, epoch + 1)
         if self.bar is not None:
+            # the first Keras metric shown (accuracy, mae, ...): "accuracy" or "<output>_accuracy"
+            key = next(
+                (k for k in logs if not k.startswith("val_") and k != "loss" and not k.endswith("_loss")), "loss"
+            )
+            short = key.rsplit("_", 1)[-1] if key.endswith(("accuracy", "mae", "mse")) else key
             self.bar.set_postfix_str(
-                f"{self.run.stages[self.stage_index].name} acc={logs.get('accuracy', 0):.3f} "
-                f"val={logs.get('val_accuracy', 0):.3f}"
+                f"{self.run.stages[self.stage_index].name} {short}={logs.get(key, 0):.3g} "
+                f"val={logs.get('val_' + key, 0):.3g}"
             )
             self.bar.update(1)
 
@@ -350,11 +370,20 @@ def _resolve(config: TrainConfig):
     user_model = None  # the Keras 3 model the user gave, when they gave one
     if recipe is None:
         model = load_user_model(config.model)
+        if config.input_shape:
+            model = with_input_shape(model, config.input_shape, config.model)
         if is_keras3_model(model):
             user_model, model = model, as_tf_keras(model)
         if schemes.is_qat_model(model):
             raise UsageError(f"{config.model} is already quantization-aware; give edgeq train the FP32 model")
-        input_shape = tuple(model.input_shape[1:])
+        shapes = input_shapes(model)
+        free = [n for n, shape in shapes.items() if any(d is None for d in shape)]
+        if free:
+            raise UsageError(
+                f"{config.model}: input {free[0]!r} has free dimensions {tuple(shapes[free[0]])} (a fully "
+                "convolutional model): fix them with --input-shape HxWxC"
+            )
+        input_shape = next(iter(shapes.values())) if len(shapes) == 1 else shapes
         dataset = load_dataset(data_source, input_shape=input_shape)
         dataset.check_fits(input_shape, where=f"model {config.model}")
     else:
@@ -376,12 +405,12 @@ def _resolve(config: TrainConfig):
                 f"{str(exc).splitlines()[0]}"
             ) from exc
     dataset.check_finite()
-    outputs = int(model.output_shape[-1])
-    if outputs != dataset.num_classes:
-        raise DataError(
-            f"data {data_source!r} has {dataset.num_classes} classes but the model outputs {outputs}: "
-            "use matching data or a model with that many outputs"
-        )
+    declared = config.task or (recipe.task if recipe else None)
+    specs = output_specs(model, declared, None, dataset)
+    objs = objectives(model, specs, config.model if recipe is None else None, config.loss)
+    if any(o.spec.kind == "reconstruction" for o in objs):
+        dataset = normal_samples_for_training(dataset)
+    check_targets(objs, dataset)
     hp = {
         "epochs": config.epochs if config.epochs is not None else (recipe.epochs if recipe else 10),
         "qat_epochs": config.qat_epochs if config.qat_epochs is not None else (recipe.qat_epochs if recipe else 3),
@@ -391,7 +420,7 @@ def _resolve(config: TrainConfig):
         "seed": config.seed,
         "op_determinism": True,
     }
-    return model, dataset, hp, recipe, user_model
+    return model, dataset, hp, recipe, user_model, objs
 
 
 def _save_fp32(run: _Run, float_model, user_model) -> None:
@@ -408,6 +437,43 @@ def _accuracy(model, dataset, split: str, batch_size: int = 256) -> float:
         return float("nan")
     data = pipeline.split_dataset(dataset, split, batch_size)
     return float(model.evaluate(data, verbose=0, return_dict=True)["accuracy"])
+
+
+def value_outputs(float_model, objs) -> set[str]:
+    """The layers producing outputs that are values, not class scores (regression, reconstruction):
+    their range is the targets' (a price, a box in pixels), which TF-MOT's [-6, 6] start would clip,
+    and its moving average takes thousands of steps to leave. They start from the data's range."""
+    from edgeq.names import output_names, producer_of
+
+    names = output_names(float_model)
+    kinds = {o.spec.name: o.spec.kind for o in objs}
+    found = set()
+    for name, tensor in zip(names, float_model.outputs):
+        if kinds.get(name) in ("regression", "reconstruction", "other"):
+            layer = producer_of(tensor)
+            if layer is not None:
+                found.add(layer.name)
+    return found
+
+
+def _stage_metric(model, dataset, split: str, objs, plan, batch_size: int = 256) -> tuple[str, float]:
+    """The first output's primary metric on a split: a classifier's accuracy through Keras (shared
+    across replicas), any other task's through edgeq.tasks on the split's predictions."""
+    first = objs[0].spec
+    if len(objs) == 1 and first.kind == "classification":
+        return "accuracy", _accuracy(model, dataset, split, batch_size)
+    metric = task(first.kind).primary or "mse"
+    if dataset.count(split) == 0:
+        return metric, float("nan")
+    x, _ = dataset.split(split)
+    outputs = keras_outputs_in_order(model, x, batch_size)
+    targets = x if plan[0] == "input" else dataset.targets(split, plan[0])
+    if first.kind == "reconstruction":
+        targets = dataset.targets(split) if dataset.labelled else None
+    scores = score(first, outputs[0], targets, x if not isinstance(x, dict) else None)
+    if metric not in scores:  # an autoencoder on a split without anomalies: its reconstruction error
+        metric = "reconstruction_mse" if "reconstruction_mse" in scores else metric
+    return metric, float(scores.get(metric, float("nan")))
 
 
 def train(config: TrainConfig, resume: bool = False, force: bool = False, progress: bool = False) -> TrainResult:
@@ -450,7 +516,11 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     # --seed N and TensorFlow's deterministic kernels: the same command gives the same weights
     keras.utils.set_random_seed(config.seed)
     tf.config.experimental.enable_op_determinism()
-    model, dataset, hp, recipe, user_model = _resolve(config)
+    model, dataset, hp, recipe, user_model, objs = _resolve(config)
+    plan = target_plan(objs, dataset)
+    if dist.chief:
+        for warning in concatenated_outputs(model, dataset.calibration_samples(min(64, dataset.count("train")))):
+            log.warning("%s", warning)
     if augment and len(dataset.input_shape) != 3:
         raise UsageError(
             f"--augment {config.augment} is for images (H, W, C); {dataset.source} has samples of shape "
@@ -512,7 +582,9 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         # copies its fine-tuned weights back into this very model object.
         _save_fp32(run, model, user_model)
     float_model = model
-    fold_bn = config.fold_bn if config.fold_bn is not None else config.granularity == "per-tensor"
+    fold_bn = config.fold_bn
+    if fold_bn is None:  # per-tensor: the converter's own fold is wrong there; Dense/Conv1D + BN: TF-MOT has none
+        fold_bn = config.granularity == "per-tensor" or bool(needs_fold_before_qat(model))
     # A resumed run restarts from checkpoint/stageN_start.keras, folded already if it was.
     folded = state is not None and not any(type(la).__name__ == "BatchNormalization" for la in model.layers)
     qat_model = None
@@ -540,7 +612,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                 stage_model = float_model
                 if dist.replicas > 1:
                     synchronize_batchnorm(stage_model)
-                _compile(stage_model, hp["learning_rate"])
+                _compile(stage_model, hp["learning_rate"], objs=objs)
             else:
                 n = max(1, math.ceil(stage.layer_fraction * len(quantizable)))
                 only = set(quantizable[:n]) if stage.layer_fraction < 1.0 else None
@@ -548,7 +620,9 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                 stage_model = schemes.build_qat_model(float_model, stage_settings, only_layers=only)
                 # With TF-MOT's start, the input's preprocessing (Rescaling, Normalization) still
                 # gets its exact range from data: [-6, 6] can quantize it to all zeros.
-                preprocessing = input_preprocessing(float_model) if config.init_ranges == "tfmot" else None
+                preprocessing = None
+                if config.init_ranges == "tfmot":  # TF-MOT's [-6, 6] start, except where it cannot fit
+                    preprocessing = input_preprocessing(float_model) | value_outputs(float_model, objs)
                 if initial_epoch == 0 and (preprocessing is None or preprocessing):
                     set_here = initialize_ranges(
                         stage_model,
@@ -563,7 +637,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                         initialized[stage.name] = set_here
                 if dist.replicas > 1:
                     synchronize_batchnorm(stage_model)
-                _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value)
+                _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value, objs)
             if initial_epoch > 0:
                 restore_checkpoint(stage_model, out_dir / "checkpoint", state)
             t0 = time.perf_counter()
@@ -576,8 +650,13 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                     seed=config.seed,
                     augment=augment,
                     epochs=(initial_epoch, stage.epochs),
+                    targets=plan,
                 )
-                val_data = pipeline.split_dataset(dataset, "val", hp["batch_size"]) if dataset.count("val") else None
+                val_data = (
+                    pipeline.split_dataset(dataset, "val", hp["batch_size"], targets=plan)
+                    if dataset.count("val")
+                    else None
+                )
                 recorder = _EpochRecorder(run, index, bar)
                 stage_model.fit(
                     train_data,
@@ -597,8 +676,8 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                         f"stage {stage.name} diverged: the loss became NaN or infinite in {recorder.diverged}; "
                         f"{kept}checkpoint/ holds the last finite epoch. Try {hint}a lower {lr}{clip}"
                     )
-            val_acc = _accuracy(stage_model, dataset, "val")
-            test_acc = _accuracy(stage_model, dataset, "test")
+            metric, val_acc = _stage_metric(stage_model, dataset, "val", objs, plan)
+            _, test_acc = _stage_metric(stage_model, dataset, "test", objs, plan)
             result = StageResult(
                 stage.name,
                 stage.kind,
@@ -608,10 +687,11 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                 val_acc,
                 test_acc,
                 round(time.perf_counter() - t0, 3),
+                metric,
             )
             results.append(result)
-            run.history[index]["final"] = {"val_accuracy": val_acc, "test_accuracy": test_acc}
-            log.info("stage %s: val %.4f test %.4f", stage.name, val_acc, test_acc)
+            run.history[index]["final"] = {"val_accuracy": val_acc, "test_accuracy": test_acc, "metric": metric}
+            log.info("stage %s: val %s %.4f test %.4f", stage.name, metric, val_acc, test_acc)
             if stage.kind == "fp32":
                 _save_fp32(run, float_model, user_model)
             else:
@@ -653,8 +733,10 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         "schedule": [s.to_dict() for s in stages],
         "data": dataset.describe(),
         "normalization": dataset.normalization.to_dict(),
-        "input_shape": list(dataset.input_shape),
+        "input_shape": dataset.describe()["input_shape"],
         "num_classes": dataset.num_classes,
+        # what each output is and what it trained with: convert, eval and profile read the tasks here
+        "outputs": [o.to_dict() for o in objs],
         "results": [asdict(r) for r in results],
         "resumed_from": [start_stage, start_epoch] if state is not None else None,
         "train_seconds": round(time.perf_counter() - started, 3),

@@ -72,7 +72,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def _encoded_split(data: EncodedImages, split: str, shuffle_seed) -> tf.data.Dataset:
-    labels = data.labels(split).astype(np.int64)
+    labels = _y_array(data.labels(split))  # class ids, or float targets (image/target)
     from_path, from_bytes = _decoder(data)
     if data.kind == "files":
         ds = tf.data.Dataset.from_tensor_slices((np.asarray(data.refs(split), dtype=str), labels))
@@ -126,6 +126,7 @@ def split_dataset(
     seed: int = 0,
     augment: tuple[str, ...] = (),
     epochs: tuple[int, int] | None = None,
+    targets: list[str | None] | None = None,
 ) -> tf.data.Dataset:
     """One split as batches of ``batch_size`` (the global batch); shuffled and augmented when ``training``.
 
@@ -133,28 +134,30 @@ def split_dataset(
     other, ``steps_per_epoch`` batches each, every epoch shuffled and augmented with the
     seed of (``seed``, epoch). Not from a generator that runs on across epochs: a run
     resumed at epoch E then gets the order the uninterrupted run had at epoch E.
+
+    ``targets`` (``edgeq.train.objectives.target_plan``): what each output learns from, in the
+    model's output order: "input" (an autoencoder), an output name (``y_<name>``), None (``y``).
     """
     if not training:
         if isinstance(data, EncodedImages):
-            ds = _encoded_split(data, split, None)
+            ds = _targeted(_encoded_split(data, split, None), targets)
         else:
-            x, y = data.split(split)
-            ds = tf.data.Dataset.from_tensor_slices((x, np.asarray(y, dtype=np.int64)))
+            ds = tf.data.Dataset.from_tensor_slices(_slices(data, split, targets))
         return ds.batch(batch_size).prefetch(PREFETCH_BATCHES).with_options(_options())
     first, end = epochs if epochs is not None else (0, 1)
     if isinstance(data, EncodedImages):
         base = None
     else:
-        x, y = data.split(split)
-        base = tf.data.Dataset.from_tensor_slices((x, np.asarray(y, dtype=np.int64)))
-        buffer = min(len(y), SHUFFLE_BUFFER)
+        base = tf.data.Dataset.from_tensor_slices(_slices(data, split, None))
+        buffer = min(data.count(split), SHUFFLE_BUFFER)
 
     def one_epoch(epoch: int) -> tf.data.Dataset:
         key = epoch_seed(seed, epoch)
         ds = _encoded_split(data, split, key) if base is None else base.shuffle(buffer, seed=key)
         if augment:
             ds = _augment(ds, augment, data.input_shape, key)
-        return ds.batch(batch_size)
+        # an autoencoder's target is its input as augmented: targets are picked after augmentation
+        return _targeted(ds, targets).batch(batch_size)
 
     # One dataset per epoch, each seeded by its number, read one after the other (Python-int
     # seeds: a seed tensor inside the pipeline trips TF's own seed check when --seed is 0).
@@ -166,3 +169,31 @@ def split_dataset(
         order = tf.data.Dataset.range(len(epochs_ds)).flat_map(lambda i: tf.data.Dataset.from_tensors(i).repeat(steps))
         ds = tf.data.Dataset.choose_from_datasets(epochs_ds, order, stop_on_empty_dataset=False)
     return ds.prefetch(PREFETCH_BATCHES).with_options(_options())
+
+
+def _y_array(y):
+    if isinstance(y, dict):
+        return {k: _y_array(v) for k, v in y.items()}
+    y = np.asarray(y)
+    return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
+
+
+def _slices(data, split: str, targets: list[str | None] | None):
+    """(x, y) of an in-memory split for from_tensor_slices; y as ``targets`` picks it (all of it: None)."""
+    x, y = data.split(split)
+    y = _y_array(y)
+    if targets is None:
+        return x, y
+    return x, _pick(x, y, targets)
+
+
+def _pick(x, y, targets: list[str | None]):
+    picked = tuple(x if t == "input" else (y[t] if t is not None else y) for t in targets)
+    return picked[0] if len(picked) == 1 else picked
+
+
+def _targeted(ds: tf.data.Dataset, targets: list[str | None] | None) -> tf.data.Dataset:
+    """Map (x, y) to (x, the targets of each output) when the targets are not ``y`` as it is."""
+    if not targets or targets == [None]:
+        return ds
+    return ds.map(lambda x, y: (x, _pick(x, y, targets)), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -50,6 +50,16 @@ def foldable_pairs(model) -> dict[str, str]:
     return pairs
 
 
+def needs_fold_before_qat(model) -> list[str]:
+    """BN layers that follow a Dense or Conv1D: TF-MOT folds BN into Conv2D/DepthwiseConv2D only,
+    so with these unfolded the QAT model quantizes a different graph than the converter folds
+    (a Dense-BN autoencoder's QAT .tflite read 0.9 dB against its QAT model). They are folded first."""
+    by_name = {layer.name: layer for layer in model.layers}
+    return [
+        bn for bn, producer in foldable_pairs(model).items() if type(by_name[producer]).__name__ in ("Dense", "Conv1D")
+    ]
+
+
 def _folded_weights(producer, bn):
     weights = producer.get_weights()
     kernel = weights[0]

@@ -132,6 +132,37 @@ def test_verify_int8_bit_exact_on_aarch64_and_x86(cli, fleet, tmp_path):
     assert {r["device"]: r["verify"] for r in context["fleet"]} == {"pi4-emu": "bit-exact", "x86-venv": "bit-exact"}
 
 
+def test_a_three_output_model_is_bit_exact_on_every_output_of_the_emulated_pi(cli, fleet, tmp_path, monkeypatch):
+    """A face-detector-like head (box, landmarks, face probability) converted integer-only: the
+    emulated Raspberry Pi 4 gives every output bit for bit as the host does, and its profile scores
+    each output by its task, as eval on the host does."""
+    from tests.test_tasks import _face_data, _face_model
+
+    monkeypatch.chdir(tmp_path)
+    model = _face_model(tmp_path / "onet.keras", three=True)
+    _face_data(tmp_path / "faces.npz", model, n=200)
+    out = tmp_path / "onet_int8.tflite"
+    data = f"npz:{tmp_path / 'faces.npz'}"
+    assert cli("convert", tmp_path / "onet.keras", "--int8-only", "--calib", data, "--out", out).exit_code == 0
+    verified = _run(cli, fleet, "verify", out, "--data", tmp_path / "faces.npz", "--limit", "24", "--on", "pi4-emu",
+                    "--json", tmp_path / "v.json")  # fmt: skip
+    assert verified.exit_code == 0, verified.output
+    (device,) = json.loads((tmp_path / "v.json").read_text())["devices"]
+    assert device["device_machine"] == "aarch64" and device["bit_exact"]
+    assert {o["name"]: o["bit_exact"] for o in device["outputs"]} == dict.fromkeys(
+        ["bbox_reg", "landmarks", "face_prob"], True
+    )
+    profiled = _run(cli, fleet, "profile", out, "--data", tmp_path / "faces.npz", "--runs", "2", "--on", "pi4-emu")
+    assert profiled.exit_code == 0, profiled.output
+    report = json.loads((tmp_path / "results" / "pi4-emu" / "onet_int8.profile.json").read_text())
+    on_device = {o["name"]: o for o in report["model"]["accuracy"]["outputs"]}
+    assert on_device["face_prob"]["task"] == "classification" and on_device["bbox_reg"]["task"] == "regression"
+    local = tmp_path / "host.json"  # the same file's profile on this host: the same metrics, to the digit
+    assert cli("profile", out, "--data", tmp_path / "faces.npz", "--runs", "1", "--json", local).exit_code == 0
+    on_host = {o["name"]: o for o in json.loads(local.read_text())["model"]["accuracy"]["outputs"]}
+    assert on_device == on_host and "accuracy" in on_host["face_prob"]["metrics"]
+
+
 def test_hostile_file_names_inject_nothing(cli, fleet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     names = ["a b;rm -rf ~.tflite", "x;touch INJECTED;.tflite", "$(touch INJECTED2).tflite", "`touch INJECTED3`.tflite"]

@@ -1,0 +1,412 @@
+"""What a model's output means: one table of tasks that every stage asks.
+
+Each output of a model has a kind (a row of ``TASKS``): what its targets are, the loss it
+trains with, the metrics that judge it, and which of them a budget (``--max-drop``) reads.
+Data loading, training, verification, ``eval``, ``profile`` on a device, ``verify``,
+``analyze`` and ``report`` all score outputs through ``score`` and ``compare`` here, so a
+1-unit sigmoid is never scored by the argmax of one column, and a box head is never given
+an accuracy.
+
+numpy only: the device side (``profile``) scores with it too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq.errors import DataError, UsageError
+from edgeq.metrics import OutputComparison, class_scores, compare_outputs
+
+
+@dataclass(frozen=True)
+class Task:
+    """One row of the task table."""
+
+    kind: str
+    help: str
+    targets: str  # what the data gives for this output
+    loss: str  # Keras loss for training (edgeq train)
+    metrics: tuple[str, ...]  # what ``score`` reports
+    primary: str  # the metric a budget (--max-drop) reads
+    higher_is_better: bool
+    unit: str  # of a drop in the primary metric: "pp" (percentage points) or "%" (relative increase)
+    classes: bool  # outputs are class scores: top-1 agreement is meaningful
+
+
+TASKS: dict[str, Task] = {
+    "classification": Task(
+        "classification",
+        "K-way class scores (softmax or logits)",
+        "class ids (N,) or one-hot rows",
+        "sparse_categorical_crossentropy",
+        ("accuracy", "top5"),
+        "accuracy",
+        True,
+        "pp",
+        True,
+    ),
+    "binary": Task(
+        "binary",
+        "one sigmoid unit: the probability of class 1 (threshold 0.5)",
+        "0/1 labels",
+        "binary_crossentropy",
+        ("accuracy", "auc"),
+        "accuracy",
+        True,
+        "pp",
+        True,
+    ),
+    "multilabel": Task(
+        "multilabel",
+        "K independent sigmoid units (threshold 0.5 each)",
+        "0/1 rows (N, K)",
+        "binary_crossentropy",
+        ("accuracy", "exact_match", "auc"),
+        "accuracy",
+        True,
+        "pp",
+        False,
+    ),
+    "regression": Task(
+        "regression",
+        "float targets",
+        "float arrays of the output's shape",
+        "mse",
+        ("mae", "rmse", "max_error", "r2"),
+        "rmse",
+        False,
+        "%",
+        False,
+    ),
+    "reconstruction": Task(
+        "reconstruction",
+        "an autoencoder's copy of its input: the per-sample error is the anomaly score",
+        "none (the input is the target); 0 normal / 1 anomalous labels give the AUC",
+        "mse",
+        ("reconstruction_mse", "auc", "pauc"),
+        "auc",
+        True,
+        "pp",
+        False,
+    ),
+    "other": Task(
+        "other",
+        "any other output: compared with the reference by SQNR, cosine and max abs error",
+        "none",
+        "mse",
+        (),
+        "",
+        True,
+        "",
+        False,
+    ),
+}
+
+# numpy 2 renamed trapz; devices with tflite-runtime run numpy 1.x
+_trapezoid = getattr(np, "trapezoid", None) or np.trapz
+
+# MLPerf Tiny's anomaly-detection metric: the ROC AUC up to this false-positive rate (McClish-standardized,
+# as scikit-learn's roc_auc_score(max_fpr=0.1) reports it).
+PAUC_MAX_FPR = 0.1
+
+
+def task(kind: str) -> Task:
+    try:
+        return TASKS[kind]
+    except KeyError:
+        raise UsageError(f"unknown task {kind!r}; choose one of: {', '.join(TASKS)}") from None
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One model output: its name (the Keras output name = the .tflite signature name) and task."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] = ()  # without the batch axis
+    threshold: float = 0.5  # binary/multilabel: where class 1 begins (0.0 for logits)
+    source: str = "inferred"  # "inferred" | "declared" | "recorded"
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "task": self.kind,
+            "task_source": self.source,
+            "shape": list(self.shape),
+            "threshold": self.threshold,
+        }
+
+
+def infer_kind(
+    shape: tuple[int, ...],
+    activation: str | None = None,
+    targets: np.ndarray | None = None,
+    input_shape: tuple[int, ...] | None = None,
+) -> str:
+    """The task of an output from its shape (no batch axis), final activation and the data's targets.
+
+    softmax: classification; sigmoid: binary (1 unit) or multilabel; class-id targets (integers,
+    one per sample) with K > 1 scores: classification; float targets: regression; an output
+    of the input's shape with no targets: reconstruction; anything else: other.
+    """
+    units = int(np.prod(shape)) if len(shape) else 1
+    scores_like = len([d for d in shape if d != 1]) <= 1
+    if activation == "softmax" and scores_like and units > 1:
+        return "classification"
+    if activation == "sigmoid" and scores_like:
+        return "binary" if units == 1 else "multilabel"
+    if targets is not None:
+        t = np.asarray(targets)
+        ids = t.ndim == 1 or (t.ndim == 2 and t.shape[1] == 1)
+        if ids and np.issubdtype(t.dtype, np.integer) and scores_like:
+            if units > 1:
+                return "classification"
+            return "binary" if np.all((t == 0) | (t == 1)) else "regression"
+        if np.issubdtype(t.dtype, np.floating) or not ids:
+            return "regression"
+    if input_shape is not None and tuple(shape) == tuple(input_shape) and targets is None:
+        return "reconstruction"
+    return "other"
+
+
+def load_task_spec(spec: str | None, output_names: list[str]) -> dict[str, str]:
+    """``--task``: one kind for a one-output model, ``NAME=KIND,...``, or a JSON file ``{"NAME": "KIND"}``."""
+    if not spec:
+        return {}
+    text = str(spec).strip()
+    if text.endswith(".json") or Path(text).is_file():
+        try:
+            data = json.loads(Path(text).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f'{text}: not a readable task file ({exc}); write {{"output name": "kind"}}') from exc
+        if not isinstance(data, dict):
+            raise UsageError(f'{text}: a task file maps output names to kinds, e.g. {{"scores": "binary"}}')
+        pairs = {str(k): str(v) for k, v in data.items()}
+    elif "=" in text:
+        pairs = {}
+        for item in text.split(","):
+            name, _, kind = item.partition("=")
+            pairs[name.strip()] = kind.strip()
+    else:
+        if len(output_names) != 1:
+            raise UsageError(
+                f"--task {text}: the model has {len(output_names)} outputs ({', '.join(output_names)}); "
+                "give one kind per output: --task NAME=KIND,NAME=KIND or a JSON file"
+            )
+        pairs = {output_names[0]: text}
+    for name, kind in pairs.items():
+        task(kind)
+        if name not in output_names:
+            raise UsageError(f"--task names output {name!r}, but the model's outputs are {', '.join(output_names)}")
+    return pairs
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray, max_fpr: float | None = None) -> float:
+    """Area under the ROC curve of ``scores`` for 0/1 ``labels`` (ties count half).
+
+    ``max_fpr``: the partial AUC up to that false-positive rate, McClish-standardized to
+    [0.5, 1] as scikit-learn's ``roc_auc_score(max_fpr=...)`` gives it. NaN without both classes.
+    """
+    y = np.asarray(labels).reshape(-1).astype(bool)
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    positives, negatives = int(y.sum()), int((~y).sum())
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    order = np.argsort(-s, kind="mergesort")
+    s, y = s[order], y[order]
+    distinct = np.flatnonzero(np.diff(s)) if len(s) > 1 else np.zeros(0, dtype=np.int64)
+    ends = np.concatenate([distinct, [len(s) - 1]])
+    tps = np.cumsum(y)[ends]
+    fps = ends + 1 - tps
+    tpr = np.concatenate([[0.0], tps / positives])
+    fpr = np.concatenate([[0.0], fps / negatives])
+    if max_fpr is None or max_fpr >= 1:
+        return float(_trapezoid(tpr, fpr))
+    stop = np.searchsorted(fpr, max_fpr, side="right")
+    x_interp = [fpr[stop - 1], fpr[stop]] if stop < len(fpr) else [fpr[-1], fpr[-1]]
+    y_interp = [tpr[stop - 1], tpr[stop]] if stop < len(tpr) else [tpr[-1], tpr[-1]]
+    tpr = np.append(tpr[:stop], np.interp(max_fpr, x_interp, y_interp))
+    fpr = np.append(fpr[:stop], max_fpr)
+    partial = float(_trapezoid(tpr, fpr))
+    min_area = 0.5 * max_fpr**2
+    return 0.5 * (1 + (partial - min_area) / (max_fpr - min_area))
+
+
+def anomaly_scores(outputs: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+    """Per-sample mean squared reconstruction error: an autoencoder's anomaly score."""
+    out = np.asarray(outputs, dtype=np.float64).reshape(len(outputs), -1)
+    x = np.asarray(inputs, dtype=np.float64).reshape(len(inputs), -1)
+    if out.shape != x.shape:
+        raise DataError(f"a reconstruction output of {out.shape[1]} values per sample for inputs of {x.shape[1]}")
+    return np.mean((out - x) ** 2, axis=1)
+
+
+def _probabilities_to_classes(scores: np.ndarray, threshold: float) -> np.ndarray:
+    return (scores >= threshold).astype(np.int64)
+
+
+def predicted(spec: OutputSpec, outputs: np.ndarray) -> np.ndarray:
+    """What a classifier output says for each sample: class ids (N,), or 0/1 rows for multilabel."""
+    if spec.kind == "classification":
+        scores = class_scores(outputs)
+        if scores is None:
+            raise DataError(f"output {spec.name!r} of shape {tuple(np.shape(outputs))[1:]} is not one score per class")
+        return np.argmax(scores, axis=1)
+    if spec.kind == "binary":
+        return _probabilities_to_classes(np.asarray(outputs).reshape(len(outputs)), spec.threshold)
+    if spec.kind == "multilabel":
+        return _probabilities_to_classes(np.asarray(outputs).reshape(len(outputs), -1), spec.threshold)
+    raise DataError(f"output {spec.name!r} ({spec.kind}) gives no classes")
+
+
+def score(spec: OutputSpec, outputs: np.ndarray, targets: np.ndarray | None, inputs: np.ndarray | None = None) -> dict:
+    """The task's metrics of ``outputs`` against ``targets`` (None: nothing to score against).
+
+    Reconstruction needs ``inputs`` (its target) and scores AUC from 0/1 ``targets`` when given.
+    """
+    out = np.asarray(outputs)
+    kind = spec.kind
+    if kind == "reconstruction":
+        if inputs is None:
+            return {}
+        errors = anomaly_scores(out, inputs)
+        result: dict[str, Any] = {"reconstruction_mse": float(np.mean(errors))}
+        if targets is not None:
+            labels = np.asarray(targets).reshape(-1)
+            result["auc"] = roc_auc(labels, errors)
+            result["pauc"] = roc_auc(labels, errors, PAUC_MAX_FPR)
+        return result
+    if targets is None or kind == "other":
+        return {}
+    t = np.asarray(targets)
+    if len(t) != len(out):
+        raise DataError(f"output {spec.name!r}: {len(t)} targets for {len(out)} samples")
+    if kind == "classification":
+        scores = class_scores(out)
+        if scores is None:
+            raise DataError(f"output {spec.name!r} of shape {tuple(out.shape)[1:]} is not one score per class")
+        ids = t.reshape(len(t))
+        result = {"accuracy": float(np.mean(np.argmax(scores, axis=1) == ids))}
+        if scores.shape[1] > 5:
+            top5 = np.argsort(-scores, axis=1)[:, :5]
+            result["top5"] = float(np.mean(np.any(top5 == ids[:, None], axis=1)))
+        return result
+    if kind == "binary":
+        labels = t.reshape(len(t))
+        probs = out.reshape(len(out))
+        return {
+            "accuracy": float(np.mean(_probabilities_to_classes(probs, spec.threshold) == labels)),
+            "auc": roc_auc(labels, probs),
+        }
+    if kind == "multilabel":
+        labels = t.reshape(len(t), -1)
+        probs = out.reshape(len(out), -1)
+        hits = _probabilities_to_classes(probs, spec.threshold) == labels
+        aucs = [roc_auc(labels[:, k], probs[:, k]) for k in range(labels.shape[1])]
+        finite = [a for a in aucs if math.isfinite(a)]
+        return {
+            "accuracy": float(np.mean(hits)),
+            "exact_match": float(np.mean(np.all(hits, axis=1))),
+            "auc": float(np.mean(finite)) if finite else float("nan"),
+        }
+    # regression
+    y = t.reshape(len(t), -1).astype(np.float64)
+    p = out.reshape(len(out), -1).astype(np.float64)
+    if y.shape != p.shape:
+        raise DataError(f"output {spec.name!r}: targets of {y.shape[1]} values per sample for {p.shape[1]} outputs")
+    err = p - y
+    total = float(np.sum((y - y.mean(axis=0)) ** 2))
+    return {
+        "mae": float(np.mean(np.abs(err))),
+        "rmse": float(np.sqrt(np.mean(err**2))),
+        "max_error": float(np.max(np.abs(err))) if err.size else 0.0,
+        "r2": 1.0 - float(np.sum(err**2)) / total if total > 0 else float("nan"),
+    }
+
+
+def drop(spec: OutputSpec, reference: dict, quantized: dict) -> float | None:
+    """How much the primary metric got worse: points for fractions (accuracy, AUC), percent
+    for an error (RMSE); None when the task has no primary metric or it was not measured."""
+    row = task(spec.kind)
+    key = row.primary
+    if not key or key not in reference or key not in quantized:
+        return None
+    ref, got = reference[key], quantized[key]
+    if not (math.isfinite(ref) and math.isfinite(got)):
+        return None
+    if row.unit == "pp":
+        return round((ref - got) * 100.0, 4)
+    return round((got - ref) / ref * 100.0, 4) if ref > 0 else (0.0 if got == ref else math.inf)
+
+
+def compare(spec: OutputSpec, reference: np.ndarray, quantized: np.ndarray) -> OutputComparison:
+    """Quantized vs reference outputs; agreement only where the outputs are classes."""
+    cmp = compare_outputs(reference, quantized)
+    if spec.kind in ("binary", "multilabel"):
+        agree = float(np.mean(np.all(
+            np.reshape(predicted(spec, reference), (len(reference), -1))
+            == np.reshape(predicted(spec, quantized), (len(quantized), -1)), axis=1
+        )))  # fmt: skip
+        return _with_agreement(cmp, agree)
+    if spec.kind == "classification":
+        return _with_agreement(cmp, float(np.mean(predicted(spec, reference) == predicted(spec, quantized))))
+    return _with_agreement(cmp, float("nan"))
+
+
+def _with_agreement(cmp: OutputComparison, agreement: float) -> OutputComparison:
+    from dataclasses import replace
+
+    return replace(cmp, agreement=agreement)
+
+
+@dataclass(frozen=True)
+class OutputResult:
+    """One output of one model on labelled data: its task's metrics, and how it compares."""
+
+    name: str
+    kind: str
+    metrics: dict = field(default_factory=dict)  # of the quantized (or only) model
+    reference_metrics: dict = field(default_factory=dict)
+    drop: float | None = None  # in the task's unit
+    comparison: OutputComparison | None = None
+
+
+def specs_for(
+    names: list[str],
+    shapes: Mapping[str, tuple[int, ...]],
+    declared: Mapping[str, str] | None = None,
+    recorded: Mapping[str, dict] | None = None,
+    activations: Mapping[str, str | None] | None = None,
+    targets: Mapping[str, np.ndarray | None] | None = None,
+    input_shape: tuple[int, ...] | None = None,
+) -> list[OutputSpec]:
+    """Each output's OutputSpec: declared (--task) wins, then what a run or manifest recorded,
+    then what the output's activation, shape and the data's targets say."""
+    specs = []
+    for name in names:
+        shape = tuple(int(d) for d in shapes.get(name, ()))
+        rec = (recorded or {}).get(name) or {}
+        if declared and name in declared:
+            kind, source = declared[name], "declared"
+        elif rec.get("task") and not (rec.get("task_source") == "inferred" and (targets or {}).get(name) is not None):
+            kind, source = str(rec["task"]), "recorded"  # an inference without targets yields to one with them
+        else:
+            activation = (activations or {}).get(name)
+            kind = infer_kind(shape, activation, (targets or {}).get(name), input_shape)
+            source = "inferred"
+        task(kind)
+        threshold = float(rec.get("threshold", 0.5))
+        if (activations or {}).get(name) not in (None, "sigmoid") and kind in ("binary", "multilabel"):
+            threshold = 0.0  # logits: class 1 from 0
+        specs.append(OutputSpec(name, kind, shape, threshold, source))
+    return specs
