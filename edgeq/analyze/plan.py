@@ -13,11 +13,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edgeq.analyze.sensitivity import exact_sensitivity, load_fp32_with_data
+from edgeq.analyze.sensitivity import exact_sensitivity, load_fp32_with_data, quality_of
 from edgeq.artifacts import write_json_atomic
 from edgeq.calibration import calibrate, predict
 from edgeq.errors import UsageError
-from edgeq.metrics import accuracy
 from edgeq.transforms.int4 import int4_weight_copy
 
 
@@ -59,21 +58,23 @@ def make_plan(
     progress=None,
     int4: bool = False,
     ranges: str = "minmax",
+    task_spec: str | None = None,
 ) -> PlanResult:
     start = time.perf_counter()
     model, dataset = load_fp32_with_data(model_path, data, "plan from")
-    x, y = dataset.split(split)
+    x, _ = dataset.split(split)
     if len(x) == 0:
         raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")
     cal = calibrate(model, dataset, samples, per_tensor, ranges)
     if not cal.nodes:
         raise UsageError(f"{model_path}: the converter quantized no layer: there is nothing to plan")
-    fp32_acc = accuracy(predict(cal.float_model, x), y)
+    quality = quality_of(model, model_path, dataset, split, task_spec)
+    fp32_acc = quality.value(predict(cal.float_model, x))
 
     def measure(float_layers: list[str]) -> PlanPoint:
         model_bytes = cal.quantize(cal.nodes_of_layers(float_layers))
-        acc = accuracy(predict(model_bytes, x), y)
-        return PlanPoint(tuple(float_layers), acc, round((fp32_acc - acc) * 100, 4), len(model_bytes))
+        acc = quality.value(predict(model_bytes, x))
+        return PlanPoint(tuple(float_layers), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes))
 
     frontier = [measure([])]
     int8_acc = frontier[0].accuracy
@@ -82,7 +83,7 @@ def make_plan(
     # full INT8 misses the budget, or to order the layers that --int4 tries.
     ranked = []
     if frontier[0].drop_pp > max_drop_pp or int4:
-        _, _, ranked = exact_sensitivity(cal, x, y, progress)
+        _, _, ranked = exact_sensitivity(cal, x, quality, progress)
     # Keep float first the layers whose float-ness buys back the most accuracy.
     ranked.sort(key=lambda r: (-r.gain_pp, -r.loss_pp, -r.mse_only_this))
     ranking = [r.layer for r in ranked]
@@ -116,11 +117,11 @@ def make_plan(
             trial = [*accepted, candidate.layer]
             trial_cal = calibrate(int4_weight_copy(model, trial), dataset, samples, per_tensor, ranges)
             model_bytes = trial_cal.quantize(trial_cal.nodes_of_layers(best.float_layers))
-            acc = accuracy(predict(model_bytes, x), y)
+            acc = quality.value(predict(model_bytes, x))
             point = PlanPoint(
                 best.float_layers,
                 acc,
-                round((fp32_acc - acc) * 100, 4),
+                round(quality.points(fp32_acc, acc), 4),
                 len(model_bytes) - _weight_count(model, trial) // 2,
                 tuple(trial),
             )

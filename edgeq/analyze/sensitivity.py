@@ -23,8 +23,8 @@ import numpy as np
 
 from edgeq.calibration import Calibrated, calibrate, predict
 from edgeq.errors import UsageError
-from edgeq.metrics import accuracy
 from edgeq.shims.tflite import native_output_silenced
+from edgeq.tasks import OutputSpec, drop, score, task
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class SensitivityReport:
     seconds_fast: float
     seconds_exact: float
     ranges: str = "minmax"  # activation range method (edgeq.ranges); minmax is the converter's own
+    metric: str = "accuracy"  # what fp32/int8_accuracy and the exact ranking measure: the output's task metric
 
     def to_dict(self) -> dict:
         d = {"kind": "edgeq.analyze.sensitivity", **asdict(self)}
@@ -116,18 +117,55 @@ def fast_sensitivity(cal: Calibrated) -> list[FastSensitivity]:
     return sorted(by_layer.values(), key=lambda s: s.channel_sqnr_db)
 
 
-def exact_sensitivity(cal: Calibrated, x: np.ndarray, y: np.ndarray, progress=None) -> tuple[float, float, list]:
+@dataclass(frozen=True)
+class Quality:
+    """What analyze measures a model by: its output's task's primary metric on labelled data.
+
+    A classifier's accuracy; a regressor's RMSE; an autoencoder's anomaly AUC. ``points(ref, q)``
+    is how much worse ``q`` is, in the task's unit (points, or percent of an error).
+    """
+
+    metric: str
+    spec: OutputSpec
+    targets: np.ndarray | None
+    inputs: np.ndarray | None
+
+    def value(self, outputs: np.ndarray) -> float:
+        return float(score(self.spec, outputs, self.targets, self.inputs)[self.metric])
+
+    def points(self, reference: float, quantized: float) -> float:
+        got = drop(self.spec, {self.metric: reference}, {self.metric: quantized})
+        return float("nan") if got is None else got
+
+
+def quality_of(model, model_path, dataset, split: str, declared: str | None = None) -> Quality:
+    """The Quality of ``model``'s one output on ``split``; refused where its task has nothing to score."""
+    from edgeq.model_io import output_specs
+
+    spec = output_specs(model, declared, model_path, dataset)[0]
+    metric = task(spec.kind).primary
+    x, _ = dataset.split(split)
+    targets = dataset.targets(split)
+    if not metric or (targets is None and spec.kind != "reconstruction"):
+        raise UsageError(
+            f"{model_path}: its output {spec.name!r} is {spec.kind}: analyze ranks layers by a task metric on labelled "
+            "data (class ids, 0/1 labels or float targets in 'y'); declare the task with --task if it is inferred wrong"
+        )
+    return Quality(metric, spec, targets, x)
+
+
+def exact_sensitivity(cal: Calibrated, x: np.ndarray, quality: Quality, progress=None) -> tuple[float, float, list]:
     reference = predict(cal.float_model, x)
-    fp32_acc = accuracy(reference, y)
-    int8_acc = accuracy(predict(cal.quantize(), x), y)
+    fp32_acc = quality.value(reference)
+    int8_acc = quality.value(predict(cal.quantize(), x))
     results = []
     for layer in cal.layers:
         start = time.perf_counter()
         own = cal.nodes_of_layers([layer])
         others = [n for n in cal.nodes if n not in own]
-        all_but = accuracy(predict(cal.quantize(own), x), y)
+        all_but = quality.value(predict(cal.quantize(own), x))
         only_out = predict(cal.quantize(others), x)
-        only = accuracy(only_out, y)
+        only = quality.value(only_out)
         results.append(
             ExactSensitivity(
                 layer,
@@ -135,8 +173,8 @@ def exact_sensitivity(cal: Calibrated, x: np.ndarray, y: np.ndarray, progress=No
                 all_but,
                 only,
                 float(np.mean((only_out - reference) ** 2)),
-                round((all_but - int8_acc) * 100, 4),
-                round((fp32_acc - only) * 100, 4),
+                round(quality.points(all_but, int8_acc), 4),
+                round(quality.points(fp32_acc, only), 4),
                 round(time.perf_counter() - start, 3),
             )
         )
@@ -154,6 +192,11 @@ def load_fp32_with_data(model_path, data: str, verb: str):
     model = load_tf_keras_model(model_path)
     if is_qat_model(model):
         raise UsageError(f"{model_path} is a QAT model; {verb} the FP32 model it was trained from")
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        raise UsageError(
+            f"{model_path} has {len(model.inputs)} input(s) and {len(model.outputs)} output(s): analyze ranks the "
+            "layers of one-input one-output models; convert and eval judge each output of this one"
+        )
     input_shape = tuple(model.input_shape[1:])
     # raw files in the units the model was trained in (run.json), as convert and eval read them
     dataset = load_dataset(data, input_shape=input_shape, normalization=recorded_normalization(model_path))
@@ -170,6 +213,7 @@ def analyze_sensitivity(
     per_tensor: bool = False,
     progress=None,
     ranges: str = "minmax",
+    task_spec: str | None = None,
 ) -> SensitivityReport:
     model, dataset = load_fp32_with_data(model_path, data, "analyze")
     start = time.perf_counter()
@@ -178,18 +222,19 @@ def analyze_sensitivity(
         raise UsageError(f"{model_path}: the converter quantized no layer: nothing to analyze")
     fast = fast_sensitivity(cal) if method in ("fast", "both") else []
     seconds_fast = time.perf_counter() - start
-    x, y = dataset.split(split)
+    x, _ = dataset.split(split)
     exact: list = []
     fp32_acc = int8_acc = float("nan")
     t1 = time.perf_counter()
+    quality = quality_of(model, model_path, dataset, split, task_spec)
     if method in ("exact", "both"):
-        fp32_acc, int8_acc, exact = exact_sensitivity(cal, x, y, progress)
+        fp32_acc, int8_acc, exact = exact_sensitivity(cal, x, quality, progress)
         # Output error with only this layer quantized: continuous, and it attributes a crushed
         # activation to the layer that produces it (accuracy ties between producer and consumer).
         exact.sort(key=lambda r: -r.mse_only_this)
     else:
-        fp32_acc = accuracy(predict(cal.float_model, x), y)
-        int8_acc = accuracy(predict(cal.quantize(), x), y)
+        fp32_acc = quality.value(predict(cal.float_model, x))
+        int8_acc = quality.value(predict(cal.quantize(), x))
     return SensitivityReport(
         str(model_path),
         f"{data} ({split})",
@@ -201,6 +246,7 @@ def analyze_sensitivity(
         round(seconds_fast, 3),
         round(time.perf_counter() - t1, 3),
         ranges,
+        quality.metric,
     )
 
 
