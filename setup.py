@@ -62,6 +62,8 @@ setup(
             # INT4 post-training quantization (weight-only / dynamic, per-channel / blockwise).
             "ai-edge-quantizer==0.10.0",
             "tqdm>=4.60",
+            # COCO mAP for detectors (eval, train, analyze, and the host side of profile --on)
+            "pycocotools>=2.0.8",
             "tomli>=2; python_version<'3.11'",
         ],
         # Host side of `edgeq push/devices/profile --on`: SSH to the devices.

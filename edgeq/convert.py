@@ -541,6 +541,8 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         # integer input = clamp(round(float sample / input scale) + zero point), rounded like TFLite
         "input_rounding": INPUT_ROUNDING,
         "num_classes": _num_classes(outputs),
+        # a detector: which heads, in which layout, decoded and NMS'd outside the int8 graph (edgeq.detection)
+        "detection": _detection_record(outputs, dataset),
         "source": {
             "path": str(source_path) if source_path else None,
             "sha256": sha256_file(source_path) if source_path else None,
@@ -1063,6 +1065,18 @@ def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, mi
 
 def _count(x) -> int:
     return len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
+
+
+def _detection_record(outputs, dataset) -> dict | None:
+    from dataclasses import replace
+
+    from edgeq.detection import detection_spec_of
+
+    spec = detection_spec_of(outputs)
+    if spec is None:
+        return None
+    names = tuple(getattr(dataset, "class_names", ()) or ()) if dataset is not None else ()
+    return replace(spec, class_names=names if len(names) == spec.classes else ()).to_dict()
 
 
 def _num_classes(outputs) -> int | None:

@@ -385,12 +385,12 @@ def stratified_split(x, y, seed: int = 0):
 
 
 def _targets(y, source: str):
-    """Labels as class ids (int64, (N,)) where they are (runtime.inputs.holds_class_ids), else float32 targets."""
+    """Labels as class ids (int64, (N,)) where they are (runtime.inputs.holds_class_ids); other
+    integer arrays (a detector's gt_classes) stay int64, anything else becomes float32 targets."""
     y = np.asarray(y)
     if holds_class_ids(y):
-        ids = class_labels(y, len(y), f"data {source!r}")
-        return ids
-    return y.astype(np.float32)
+        return class_labels(y, len(y), f"data {source!r}")
+    return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
 
 
 def _make(
@@ -525,6 +525,85 @@ def load_machine_sound(spec: str = "machine-sound") -> Dataset:
     y = np.concatenate([np.zeros(len(normal), np.int64), np.ones(len(odd), np.int64)])
     order = rng.permutation(n)
     return _make(spec, x[order].astype(np.float32), y[order], Normalization(), num_classes=2, normalized=True)
+
+
+_SHAPES = re.compile(r"^shapes(?::(\d+))?(?::(\d+))?$")
+SHAPE_CLASSES = ("circle", "square", "triangle")
+MAX_OBJECTS = 8  # ground-truth rows per image (gt_classes -1 where unused)
+
+
+def sample_photos() -> list[np.ndarray]:
+    """scikit-learn's two sample photos (china.jpg, flower.jpg), uint8 RGB: real backgrounds offline."""
+    try:
+        from sklearn.datasets import load_sample_images
+    except ImportError as exc:
+        raise DataError('the shapes source needs scikit-learn: pip install "edgeq[train]"') from exc
+    return [np.asarray(img, dtype=np.uint8) for img in load_sample_images().images]
+
+
+def draw_shapes(size: int, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``count`` images of size x size: crops of real photos with 1 to 4 circles, squares and
+    triangles each (10% to 40% of the side, overlapping little), and their exact boxes."""
+    from PIL import Image, ImageDraw
+
+    photos = sample_photos()
+    images = np.empty((count, size, size, 3), np.uint8)
+    boxes = np.zeros((count, MAX_OBJECTS, 4), np.float32)
+    classes = np.full((count, MAX_OBJECTS), -1, np.int64)
+    for i in range(count):
+        photo = photos[int(rng.integers(len(photos)))]
+        side = int(rng.integers(120, min(photo.shape[:2])))
+        top, left = int(rng.integers(0, photo.shape[0] - side)), int(rng.integers(0, photo.shape[1] - side))
+        canvas = Image.fromarray(photo[top : top + side, left : left + side]).resize((size, size))
+        draw = ImageDraw.Draw(canvas)
+        placed: list[np.ndarray] = []
+        for _ in range(int(rng.integers(1, 5))):
+            for _attempt in range(20):
+                extent = float(rng.uniform(0.10, 0.40)) * size
+                y0, x0 = float(rng.uniform(0, size - extent)), float(rng.uniform(0, size - extent))
+                box = np.array([y0, x0, y0 + extent, x0 + extent]) / size
+                if all(_overlap(box, other) < 0.2 for other in placed):
+                    break
+            else:
+                continue
+            kind = int(rng.integers(len(SHAPE_CLASSES)))
+            colour = tuple(int(c) for c in rng.integers(0, 256, 3))
+            corners = [x0, y0, x0 + extent, y0 + extent]
+            if kind == 0:
+                draw.ellipse(corners, fill=colour, outline=(0, 0, 0))
+            elif kind == 1:
+                draw.rectangle(corners, fill=colour, outline=(0, 0, 0))
+            else:
+                draw.polygon([(x0 + extent / 2, y0), (x0, y0 + extent), (x0 + extent, y0 + extent)], fill=colour)
+            row = len(placed)
+            boxes[i, row], classes[i, row] = box, kind
+            placed.append(box)
+        images[i] = np.asarray(canvas)
+    return images, boxes, classes
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> float:
+    from edgeq.detection import iou
+
+    return float(iou(a, b[None])[0])
+
+
+def load_shapes(spec: str = "shapes") -> Dataset:
+    """``shapes[:SIZE[:N]]``: object detection without a download: N (2400) images of SIZE (96) pixels,
+    crops of scikit-learn's real photos with circles, squares and triangles drawn on, exact boxes.
+
+    Ground truth: ``gt_boxes`` (N, 8, 4) normalised (ymin, xmin, ymax, xmax), ``gt_classes`` (N, 8), -1 unused.
+    """
+    m = _SHAPES.match(spec)
+    if not m:
+        raise DataError(f"bad source {spec!r}: write shapes, shapes:SIZE or shapes:SIZE:N (e.g. shapes:96:2400)")
+    size, n = int(m.group(1) or 96), int(m.group(2) or 2400)
+    if size < 32 or n < 10:
+        raise DataError(f"bad source {spec!r}: SIZE must be at least 32 and N at least 10")
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little"))
+    images, boxes, classes = draw_shapes(size, n, rng)
+    y = {"gt_boxes": boxes, "gt_classes": classes}
+    return _make(spec, images, y, UINT8_IMAGES, num_classes=len(SHAPE_CLASSES), class_names=SHAPE_CLASSES)
 
 
 _SYNTH = re.compile(r"^synthetic:(\d+)x(\d+)x(\d+):(\d+)(?::(\d+))?$")
@@ -937,6 +1016,8 @@ def load_dataset(
         return load_diabetes_dataset()
     if source == "machine-sound" or source.startswith("machine-sound:"):
         return load_machine_sound(source)
+    if source == "shapes" or source.startswith("shapes:"):
+        return load_shapes(source)
     if source.startswith("synthetic:"):
         return load_synthetic(source)
     if source.startswith("npz:") or source.endswith(".npz"):

@@ -42,6 +42,7 @@ class EvalResult:
     passed: bool = True
     outputs: tuple[dict, ...] = ()  # each output: name, task, metrics of both models, drop, comparison
     labelled: bool = True
+    detection: dict | None = None  # a detector's mAP@0.5 and mAP@0.5:0.95, both models (pycocotools)
 
     def to_dict(self) -> dict:
         return {"kind": "edgeq.eval", **_json_safe(asdict(self))}
@@ -151,9 +152,17 @@ def evaluate(
             "score per class (or a declared task), so it has no accuracy; compare it by output error (SQNR, MAE) "
             "without labels, or declare what it is with --task"
         )
+    detection = _detection(specs, ref, got, dataset, split, model)
+    if detection is not None:  # a detector is judged by its mAP@0.5, both heads together
+        primary = {
+            "drop": detection["drop"],
+            "primary": "map50",
+            "metrics": {"map50": detection["map50"]},
+            "reference_metrics": {"map50": detection["reference_map50"]},
+        }
     first = rows[0]["comparison"]
     agreements = [r["comparison"]["agreement"] for r in rows if r["comparison"]["agreement"] is not None]
-    drops = [r["drop"] for r in rows if r["drop"] is not None]
+    drops = [r["drop"] for r in rows if r["drop"] is not None] + ([detection["drop"]] if detection else [])
     size = model.stat().st_size
     return EvalResult(
         model=str(model),
@@ -177,7 +186,44 @@ def evaluate(
         passed=max_drop_pp is None or all(d <= max_drop_pp for d in drops),
         outputs=tuple(rows),
         labelled=dataset.labelled,
+        detection=detection,
     )
+
+
+def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path) -> dict | None:
+    """mAP@0.5 and mAP@0.5:0.95 of both models' decoded detections (pycocotools), and the drop in
+    points of mAP@0.5; None when the model is no detector or the data has no boxes."""
+    from edgeq.detection import DetectionSpec, decode, detection_spec_of, mean_average_precision
+    from edgeq.runtime.inputs import manifest_beside
+
+    spec = detection_spec_of(specs)
+    if spec is None:
+        return None
+    manifest = manifest_beside(model)
+    if manifest.is_file():
+        import json
+
+        recorded = json.loads(manifest.read_text()).get("detection")
+        if isinstance(recorded, dict):
+            spec = DetectionSpec.from_dict(recorded)
+    truth = dataset.targets(split, "gt_boxes"), dataset.targets(split, "gt_classes")
+    if truth[0] is None or truth[1] is None:
+        return None
+    size = tuple(dataset.input_shape[:2])
+    theirs = mean_average_precision(decode(spec, ref), *truth, size, spec.classes)
+    ours = mean_average_precision(decode(spec, got), *truth, size, spec.classes)
+    return {
+        **spec.to_dict(),
+        "images": int(len(truth[0])),
+        "objects": int((np.asarray(truth[1]) >= 0).sum()),
+        "map50": ours["map50"],
+        "map": ours["map"],
+        "reference_map50": theirs["map50"],
+        "reference_map": theirs["map"],
+        "detections": ours["detections"],
+        "reference_detections": theirs["detections"],
+        "drop": round((theirs["map50"] - ours["map50"]) * 100.0, 4),
+    }
 
 
 def _model_order(model: Path, names: list[str]) -> list[str]:
@@ -243,6 +289,12 @@ def check_gate(result: EvalResult) -> None:
         for o in result.outputs
         if o["drop"] is not None and result.max_drop_pp is not None and o["drop"] > result.max_drop_pp
     ]
+    if result.detection is not None and result.detection["drop"] > result.max_drop_pp:
+        d = result.detection
+        raise QualityGateError(
+            f"{result.model}: mAP@0.5 drop {d['drop']:.2f} points exceeds --max-drop {result.max_drop_pp:g} "
+            f"({d['reference_map50']:.3f} -> {d['map50']:.3f})"
+        )
     if len(result.outputs) == 1 and result.accuracy is not None and result.outputs[0]["primary"] == "accuracy":
         raise QualityGateError(
             f"{result.model}: accuracy drop {result.drop_pp:.2f} pp exceeds --max-drop {result.max_drop_pp:g} pp "

@@ -96,6 +96,28 @@ TASKS: dict[str, Task] = {
         "pp",
         False,
     ),
+    "detection_boxes": Task(
+        "detection_boxes",
+        "a detector's box head (edgeq.detection decodes it with the score head; judged together by mAP)",
+        "gt_boxes and gt_classes (the detection's ground truth)",
+        "masked_l1",
+        (),
+        "",
+        True,
+        "",
+        False,
+    ),
+    "detection_scores": Task(
+        "detection_scores",
+        "a detector's class-score head (per-class sigmoid; judged with the box head by mAP)",
+        "gt_boxes and gt_classes (the detection's ground truth)",
+        "focal",
+        (),
+        "",
+        True,
+        "",
+        False,
+    ),
     "other": Task(
         "other",
         "any other output: compared with the reference by SQNR, cosine and max abs error",
@@ -144,6 +166,17 @@ class OutputSpec:
         }
 
 
+def detection_pair(names: list[str]) -> dict[str, str]:
+    """``--task detection``: which of two outputs is the box head (its name says box) and which the scores."""
+    boxes = [n for n in names if "box" in n.lower()]
+    if len(names) != 2 or len(boxes) != 1:
+        raise UsageError(
+            f"--task detection takes a model with two outputs, a box head (a name with 'box') and a score head; "
+            f"this one has {', '.join(names)}: name them with --task BOXES=detection_boxes,SCORES=detection_scores"
+        )
+    return {n: ("detection_boxes" if n == boxes[0] else "detection_scores") for n in names}
+
+
 def infer_kind(
     shape: tuple[int, ...],
     activation: str | None = None,
@@ -189,6 +222,8 @@ def load_task_spec(spec: str | None, output_names: list[str]) -> dict[str, str]:
         if not isinstance(data, dict):
             raise UsageError(f'{text}: a task file maps output names to kinds, e.g. {{"scores": "binary"}}')
         pairs = {str(k): str(v) for k, v in data.items()}
+    elif text == "detection":
+        pairs = detection_pair(output_names)
     elif "=" in text:
         pairs = {}
         for item in text.split(","):

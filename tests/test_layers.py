@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.errors",),
     ("edgeq.numerics", "edgeq.ranges"),
     ("edgeq.metrics",),
-    ("edgeq.tasks",),
+    ("edgeq.tasks", "edgeq.detection"),
     ("edgeq.shims.litert",),
     ("edgeq.artifacts",),
     ("edgeq.runtime",),

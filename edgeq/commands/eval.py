@@ -72,6 +72,11 @@ def _rows(r) -> list[tuple]:
             rows.append((f"{prefix}top-1 agreement", "", f"{c['agreement']:.2%}"))
         rows.append((f"{prefix}MAE / MSE", "", f"{c['mae']:.4g} / {c['mse']:.4g}"))
         rows.append((f"{prefix}SQNR (dB) / cosine", "", f"{c['sqnr_db']:.1f} / {c['cosine']:.4f}"))
+    if r.detection is not None:  # both heads decoded and NMS'd by edgeq, scored by pycocotools
+        d = r.detection
+        rows.append(("detection mAP@0.5", f"{d['reference_map50']:.4f}", f"{d['map50']:.4f}"))
+        rows.append(("detection mAP@0.5:0.95", f"{d['reference_map']:.4f}", f"{d['map']:.4f}"))
+        rows.append(("mAP@0.5 drop (points)", "", f"{d['drop']:+.2f}"))
     rows.append(
         ("size", f"{r.reference_size_bytes / 1024:.1f} KiB", f"{r.size_bytes / 1024:.1f} KiB ({r.size_ratio:.1%})")
     )

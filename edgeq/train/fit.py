@@ -50,7 +50,7 @@ from edgeq.model_io import (
 from edgeq.tasks import score, task
 from edgeq.train import distribute, pipeline, schemes
 from edgeq.train.layer_config import LayerConfig, LayerPrecision
-from edgeq.train.objectives import check_targets, compile_for, objectives, target_plan
+from edgeq.train.objectives import check_targets, compile_for, objectives, target_plan, with_detection_targets
 from edgeq.train.observe import initialize_ranges, input_preprocessing
 from edgeq.train.schedule import Stage, make_schedule
 from edgeq.transforms.fold import fold_batchnorm, needs_fold_before_qat
@@ -410,6 +410,7 @@ def _resolve(config: TrainConfig):
     objs = objectives(model, specs, config.model if recipe is None else None, config.loss)
     if any(o.spec.kind == "reconstruction" for o in objs):
         dataset = normal_samples_for_training(dataset)
+    dataset = with_detection_targets(objs, dataset)
     check_targets(objs, dataset)
     hp = {
         "epochs": config.epochs if config.epochs is not None else (recipe.epochs if recipe else 10),
@@ -478,6 +479,8 @@ def _stage_metric(model, dataset, split: str, objs, plan, batch_size: int = 256)
     first = objs[0].spec
     if len(objs) == 1 and first.kind == "classification":
         return "accuracy", _accuracy(model, dataset, split, batch_size)
+    if any(o.spec.kind == "detection_boxes" for o in objs):
+        return "map50", _detection_map50(model, dataset, split, objs, batch_size)
     metric = task(first.kind).primary or "mse"
     if dataset.count(split) == 0:
         return metric, float("nan")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq.compat import keras
+from edgeq.compat import keras, tf
 from edgeq.errors import DataError, UsageError
 from edgeq.tasks import OutputSpec, task
 
@@ -30,7 +30,22 @@ KERAS_METRIC = {
     "regression": "mae",
     "reconstruction": "mse",
     "other": "mse",
+    "detection_boxes": None,
+    "detection_scores": None,
 }
+
+
+def masked_l1(y_true, y_pred):
+    """L1 between a box head and its targets where the target's last channel (the mask) is 1:
+    only the cells that hold an object's centre learn a box (edgeq.detection.encode_centre)."""
+    mask = y_true[..., -1:]
+    error = tf.abs(y_true[..., :-1] - y_pred) * mask
+    return tf.reduce_sum(error) / tf.maximum(tf.reduce_sum(mask), 1.0)
+
+
+def focal():
+    """Per-class sigmoid focal loss for a centre heatmap: most cells hold no object."""
+    return keras.losses.BinaryFocalCrossentropy(gamma=2.0, apply_class_balancing=True, alpha=0.75)
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,10 @@ def _per_output(value, names: list[str]) -> list | None:
 
 def _default_loss(spec: OutputSpec, probability: bool):
     kind = spec.kind
+    if kind == "detection_boxes":
+        return masked_l1
+    if kind == "detection_scores":
+        return focal()
     if kind == "classification":
         return keras.losses.SparseCategoricalCrossentropy(from_logits=not probability)
     if kind in ("binary", "multilabel"):
@@ -151,7 +170,7 @@ def _parse_loss_option(text: str | None, names: list[str]) -> dict[str, str]:
 def compile_for(model, objs: list[Objective], optimizer) -> None:
     """Compile ``model`` (float or its QAT form: outputs in the same order) with one loss per output."""
     losses = [o.loss for o in objs]
-    metrics = [[KERAS_METRIC[o.spec.kind]] for o in objs]
+    metrics = [[KERAS_METRIC[o.spec.kind]] if KERAS_METRIC[o.spec.kind] else [] for o in objs]
     if len(objs) == 1:
         model.compile(optimizer=optimizer, loss=losses[0], metrics=metrics[0])
         return
@@ -189,6 +208,34 @@ def target_plan(objs: list[Objective], dataset) -> list[str | None]:
     return plan
 
 
+def with_detection_targets(objs: list[Objective], dataset):
+    """A detection dataset (gt_boxes, gt_classes) with each head's training targets added, by output
+    name: the score head's centre heatmap and the box head's (dy, dx, h, w, mask), on its grid."""
+    from dataclasses import replace
+
+    from edgeq.detection import encode_centre
+
+    kinds = {o.spec.kind: o.spec for o in objs}
+    if "detection_boxes" not in kinds:
+        return dataset
+    boxes, scores = kinds["detection_boxes"], kinds["detection_scores"]
+    y = dataset.y_train
+    if not isinstance(y, dict) or "gt_boxes" not in y:
+        raise DataError(
+            f"data {dataset.source!r} has no detection ground truth: give gt_boxes (N, M, 4) normalised "
+            "(ymin, xmin, ymax, xmax) and gt_classes (N, M), -1 for unused rows (e.g. --data shapes)"
+        )
+    if len(boxes.shape) != 3:
+        raise UsageError(f"edgeq trains the centre layout (S, S, 4) box heads; {boxes.name!r} is {boxes.shape}")
+    grid, classes = tuple(boxes.shape[:2]), int(scores.shape[-1])
+    updates = {}
+    for split in ("train", "val", "test"):
+        truth = getattr(dataset, f"y_{split}")
+        heat, target = encode_centre(truth["gt_boxes"], truth["gt_classes"], grid, classes)
+        updates[f"y_{split}"] = {**truth, scores.name: heat, boxes.name: target}
+    return replace(dataset, **updates)
+
+
 def check_targets(objs: list[Objective], dataset) -> None:
     """Each output's targets fit it: class ids below its class count, float targets of its shape."""
     for o, where in zip(objs, target_plan(objs, dataset)):
@@ -203,6 +250,8 @@ def check_targets(objs: list[Objective], dataset) -> None:
         y = dataset.y_train if where is None else dataset.y_train[where]
         y = np.asarray(y)
         kind = o.spec.kind
+        if kind.startswith("detection"):
+            continue  # made for the head by with_detection_targets
         if kind == "classification":
             classes = int(np.prod(o.spec.shape))
             if not np.issubdtype(y.dtype, np.integer):
