@@ -987,6 +987,13 @@ def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, mi
                 f"but the converter wrote {tensor.dtype} for {kind} {name!r}"
             )
     floats = float_ops(tflite)
+    post = sorted({f.split("#")[0] for f in floats if "NON_MAX_SUPPRESSION" in f or "Detection_PostProcess" in f})
+    if spec.integer_only and post:
+        raise IntegerOnlyError(
+            f"{source_name}: the model ends in {', '.join(post)}, which has no integer kernel: export the model "
+            "without its post-processing (its box and score heads as two outputs) and let edgeq decode and NMS "
+            "them (edgeq.detection, layouts centre and plain), or convert with --int8 to keep it float"
+        )
     if spec.integer_only and floats:
         raise IntegerOnlyError(
             f"{source_name}: not integer-only: {len(floats)} op(s) still run in float: {', '.join(floats[:12])}"

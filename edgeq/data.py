@@ -529,6 +529,7 @@ def load_machine_sound(spec: str = "machine-sound") -> Dataset:
 
 _SHAPES = re.compile(r"^shapes(?::(\d+))?(?::(\d+))?$")
 SHAPE_CLASSES = ("circle", "square", "triangle")
+GROUND_TRUTH = ("gt_boxes", "gt_classes")  # a detector's: normalised corners (N, M, 4), classes (N, M), -1 unused
 MAX_OBJECTS = 8  # ground-truth rows per image (gt_classes -1 where unused)
 
 
@@ -685,6 +686,7 @@ def load_npz(
         raise DataError(f"{path}: the input arrays hold different numbers of samples ({sorted(counts)})")
     n = counts.pop()
     named_y = {k[2:]: v for k, v in arrays.items() if k.startswith("y_")}
+    named_y |= {k: arrays[k] for k in GROUND_TRUTH if k in arrays}  # a detector's boxes
     labelled = "y" in arrays or bool(named_y)
     if not labelled:
         if labels_required:
@@ -711,7 +713,7 @@ def _npz_targets(y: np.ndarray, count: int, where: str, key: str) -> np.ndarray:
         return class_labels(y, count, where, key)
     if not np.issubdtype(y.dtype, np.number):
         raise DataError(f"{where}: {key!r} must hold class ids or float targets, got dtype {y.dtype}")
-    return y.astype(np.float32)
+    return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
 
 
 class EncodedImages(_Splits):
@@ -968,6 +970,115 @@ def load_tfrecord(
     return data
 
 
+# The TF Object Detection API's layout: normalised corner lists and 1-based class labels per image.
+OD_BOX = ("image/object/bbox/ymin", "image/object/bbox/xmin", "image/object/bbox/ymax", "image/object/bbox/xmax")
+OD_LABEL = "image/object/class/label"
+
+
+def is_detection_tfrecord(pattern: str) -> bool:
+    """Whether the first record of ``pattern`` is in the TF Object Detection API's layout."""
+    tf = _tf()
+    for record in tf.data.TFRecordDataset(_tfrecord_files(pattern)[:1]).take(1):
+        try:
+            example = tf.train.Example.FromString(record.numpy())
+        except Exception:  # a broken file: load_tfrecord names it
+            return False
+        return OD_BOX[0] in example.features.feature
+    return False
+
+
+def _detection_dataset(source, images, boxes, classes, normalization, class_names) -> Dataset:
+    """Images (N, H, W, C) uint8 and per-image boxes/classes lists as gt_boxes/gt_classes (padded)."""
+    rows = max([len(c) for c in classes] + [1])
+    gt_boxes = np.zeros((len(images), rows, 4), np.float32)
+    gt_classes = np.full((len(images), rows), -1, np.int64)
+    for i, (b, c) in enumerate(zip(boxes, classes)):
+        gt_boxes[i, : len(c)] = np.asarray(b, np.float32).reshape(-1, 4)
+        gt_classes[i, : len(c)] = c
+    k = len(class_names) if class_names else int(gt_classes.max() + 1)
+    y = {"gt_boxes": gt_boxes, "gt_classes": gt_classes}
+    return _make(source, np.stack(images), y, normalization, num_classes=k, class_names=class_names)
+
+
+def load_detection_tfrecord(
+    pattern: str, image_size: tuple[int, int] | None, channels: int = 3, normalization: Normalization | None = None
+) -> Dataset:
+    """``tfrecord:GLOB`` in the TF Object Detection API's layout: ``image/encoded``, the box corners
+    ``image/object/bbox/{ymin,xmin,ymax,xmax}`` (normalised) and ``image/object/class/label`` (1-based).
+
+    Images are decoded at the model's size and held in memory (detection sets for a device are small).
+    """
+    source = f"tfrecord:{pattern}"
+    if image_size is None:
+        raise DataError(f"{source}: the image size is unknown: give a model whose input fixes it")
+    tf = _tf()
+    features = {TFRECORD_IMAGE: tf.io.FixedLenFeature([], tf.string), OD_LABEL: tf.io.VarLenFeature(tf.int64)}
+    features |= {key: tf.io.VarLenFeature(tf.float32) for key in OD_BOX}
+    images, boxes, classes = [], [], []
+    for file in _tfrecord_files(pattern):
+        for index, record in enumerate(tf.data.TFRecordDataset(file)):
+            parsed = tf.io.parse_single_example(record, features)
+            corners = np.stack([parsed[key].values.numpy() for key in OD_BOX], axis=-1)
+            labels = parsed[OD_LABEL].values.numpy().astype(np.int64) - 1
+            if len(labels) != len(corners) or (len(labels) and labels.min() < 0):
+                raise DataError(f"{file}: record {index} has {len(corners)} boxes but {len(labels)} labels >= 1")
+            images.append(decode_image(parsed[TFRECORD_IMAGE].numpy(), image_size, channels, f"{file}#{index}"))
+            boxes.append(corners)
+            classes.append(labels)
+    if not images:
+        raise DataError(f"{source} is empty: it has no records")
+    return _detection_dataset(source, images, boxes, classes, _image_normalization(normalization), ())
+
+
+def load_coco(
+    spec: str, image_size: tuple[int, int] | None, channels: int = 3, normalization: Normalization | None = None
+) -> Dataset:
+    """``coco:ANNOTATIONS.json[:IMAGES_DIR]``: a COCO-style JSON (images, annotations with pixel
+    [x, y, w, h] boxes, categories) and its image folder (default: the JSON's folder).
+
+    Categories are numbered in the order of their ids; crowd annotations are left out. Images
+    are decoded at the model's size and held in memory.
+    """
+    import json
+
+    path_text, _, folder_text = spec.partition(":") if not spec.endswith(".json") else (spec, "", "")
+    path = Path(path_text)
+    folder = Path(folder_text) if folder_text else path.parent
+    source = f"coco:{spec}"
+    if image_size is None:
+        raise DataError(f"{source}: the image size is unknown: give a model whose input fixes it")
+    try:
+        coco = json.loads(path.read_text(encoding="utf-8"))
+        categories = sorted(coco["categories"], key=lambda c: c["id"])
+        entries, annotations = coco["images"], coco.get("annotations", [])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(
+            f"{path}: not a COCO annotation file ({exc}); it needs images, annotations, categories"
+        ) from exc
+    index = {c["id"]: k for k, c in enumerate(categories)}
+    per_image: dict = {e["id"]: ([], []) for e in entries}
+    for a in annotations:
+        if a.get("iscrowd") or a["image_id"] not in per_image:
+            continue
+        per_image[a["image_id"]][0].append(a["bbox"])
+        per_image[a["image_id"]][1].append(index[a["category_id"]])
+    images, boxes, classes = [], [], []
+    for e in entries:
+        file = folder / e["file_name"]
+        if not file.is_file():
+            raise DataError(f"{file}: an image {path.name} lists is missing; give its folder as coco:{path}:DIR")
+        w, h = float(e["width"]), float(e["height"])
+        xywh = np.asarray(per_image[e["id"]][0], np.float32).reshape(-1, 4)
+        boxes.append(np.stack([xywh[:, 1] / h, xywh[:, 0] / w, (xywh[:, 1] + xywh[:, 3]) / h,
+                               (xywh[:, 0] + xywh[:, 2]) / w], axis=-1))  # fmt: skip
+        classes.append(np.asarray(per_image[e["id"]][1], np.int64))
+        images.append(decode_image(file.read_bytes(), image_size, channels, str(file)))
+    if not images:
+        raise DataError(f"{path}: it lists no images")
+    names = tuple(str(c.get("name", c["id"])) for c in categories)
+    return _detection_dataset(source, images, boxes, classes, _image_normalization(normalization), names)
+
+
 def iter_tfrecord_images(files: list[str]) -> Iterator[bytes]:
     """Every record's encoded image, file after file, in order."""
     tf = _tf()
@@ -1023,11 +1134,15 @@ def load_dataset(
     if source.startswith("npz:") or source.endswith(".npz"):
         path = source[4:] if source.startswith("npz:") else source
         return load_npz(path, labels_required, normalization, input_shape, int8_input)
-    if source.startswith(("images:", "tfrecord:")):
+    if source.startswith(("images:", "tfrecord:", "coco:")):
         size = tuple(input_shape[:2]) if input_shape else None
         channels = int(input_shape[2]) if input_shape and len(input_shape) > 2 else 3
         if source.startswith("images:"):
             return load_images(source[7:], size, channels, normalization)
+        if source.startswith("coco:"):
+            return load_coco(source[5:], size, channels, normalization)
+        if is_detection_tfrecord(source[9:]):
+            return load_detection_tfrecord(source[9:], size, channels, normalization)
         return load_tfrecord(source[9:], size, channels, normalization)
     raise DataError(
         f"unknown data source {source!r}: use digits, diabetes, machine-sound[:N], synthetic:HxWxC:K, npz:PATH, "
@@ -1041,8 +1156,10 @@ def export_split(dataset: Dataset, split: str, path: str | Path) -> Path:
 
     x, y = dataset.split(split)
     arrays = {f"x_{k}": v for k, v in x.items()} if isinstance(x, dict) else {"x": x}
-    if dataset.labelled:
-        arrays |= {f"y_{k}": v for k, v in y.items()} if isinstance(y, dict) else {"y": y}
+    if dataset.labelled and isinstance(y, dict):  # a detector's ground truth keeps its own names
+        arrays |= {k if k in GROUND_TRUTH else f"y_{k}": v for k, v in y.items()}
+    elif dataset.labelled:
+        arrays["y"] = y
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         np.savez(fh, **arrays)

@@ -168,11 +168,17 @@ def model_feed(model, x):
     return x[names[0]] if len(names) == 1 else [x[n] for n in names]
 
 
+def _batch_for(model, batch_size: int) -> int:
+    """A model whose Input fixes the batch (batch_size=1, as for an Edge TPU) predicts in batches of it."""
+    static = model.inputs[0].shape[0] if model.inputs else None
+    return int(static) if static else batch_size
+
+
 def keras_outputs_in_order(model, x, batch_size: int = 64) -> list:
     """Every output of a Keras model on ``x``, in the model's output order (a QAT model's too)."""
     import numpy as np
 
-    got = model.predict(model_feed(model, x), batch_size=batch_size, verbose=0)
+    got = model.predict(model_feed(model, x), batch_size=_batch_for(model, batch_size), verbose=0)
     if isinstance(got, dict):
         return [np.asarray(got[n]) for n in output_names(model)]
     return [np.asarray(v) for v in got] if isinstance(got, (list, tuple)) else [np.asarray(got)]
@@ -182,7 +188,7 @@ def keras_outputs(model, x, batch_size: int = 64) -> dict:
     """Every output of a Keras model on ``x``, by output name (as the .tflite names them)."""
     import numpy as np
 
-    got = model.predict(model_feed(model, x), batch_size=batch_size, verbose=0)
+    got = model.predict(model_feed(model, x), batch_size=_batch_for(model, batch_size), verbose=0)
     names = output_names(model)
     if isinstance(got, dict):
         return {str(k): np.asarray(v) for k, v in got.items()}

@@ -43,6 +43,29 @@ def digits_int8(digits_run):
     return convert(digits_run.qat_model, digits_run.out_dir / "digits_int8.tflite", ConvertOptions(mode="int8-only"))
 
 
+@pytest.fixture(scope="session")
+def detector(tmp_path_factory):
+    """The zoo detector, briefly trained (FP32 then QAT) on 600 built-in images at 64x64, converted
+    integer-only from QAT; the test split exported for the device."""
+    from click.testing import CliRunner
+
+    from edgeq.cli import cli
+
+    folder = tmp_path_factory.mktemp("detector")
+    runner = CliRunner()
+
+    def run(*args):
+        result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result
+
+    data = "shapes:64:600"
+    run("train", "shapes-detector", "--data", data, "--epochs", "4", "--qat-epochs", "1", "--out", folder / "run")
+    run("convert", folder / "run" / "qat.h5", "--int8-only", "--out", folder / "det_int8.tflite")
+    run("data", "export", data, "--split", "test", "--out", folder / "test.npz")
+    return folder, data
+
+
 @pytest.fixture
 def finetune(digits_run):
     """QAT (no FP32 epochs) from the trained digits FP32 model, with the given options."""

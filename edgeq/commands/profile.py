@@ -103,6 +103,16 @@ def render(report) -> str:
             if reference is not None:
                 text += f", reference {pct(reference.accuracy)}"
             lines += ["", text]
+    if report.model.accuracy is not None and report.model.accuracy.detection:
+        d = report.model.accuracy.detection
+        ref = (report.reference.accuracy.detection or {}) if report.reference and report.reference.accuracy else {}
+        if d.get("map50") is None:
+            lines.append(f"detection: {d['detections']} detections on {d['images']} images, scored by {d['scored_by']}")
+        else:
+            text = f"detection: mAP@0.5 {d['map50']:.4f}, mAP@0.5:0.95 {d['map']:.4f} on {d['images']} images"
+            if ref.get("map50") is not None:
+                text += f"; reference {ref['map50']:.4f} / {ref['map']:.4f}"
+            lines.append(text)
     if report.agreement is not None:
         a = report.agreement
         for o in a.outputs or ({"name": "", **dataclasses.asdict(a)},):
@@ -191,7 +201,7 @@ def profile(
         )
         _profile_fleet(model, options, on_targets, inventory_path, rollout, results_dir, accept_new_host_keys, health)
         return
-    from edgeq.runtime.profile import profile_model, report_to_dict
+    from edgeq.runtime.profile import profile_model, report_to_dict, write_detections
 
     report = profile_model(
         model,
@@ -209,6 +219,13 @@ def profile(
     click.echo(render(report))
     if json_out:
         write_json_output(report_to_dict(report), json_out)
+        write_detections(report.model, detections_beside(json_out))
+
+
+def detections_beside(json_path: str | Path) -> Path:
+    """Where a detector's decoded detections go beside its profile JSON: NAME.detections.npz."""
+    path = Path(json_path)
+    return path.with_name(path.name.removesuffix(".json") + ".detections.npz")
 
 
 def _profile_fleet(model, options, targets, inventory_path, rollout, results_dir, accept_new, health=None) -> None:

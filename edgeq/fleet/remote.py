@@ -289,7 +289,17 @@ def profile_on(
         local = Path(results_dir) / device.name / f"{stem}.profile.json"
         on_event(device.name, "fetching results")
         transport.download(remote_json, local)
-    report = json.loads(local.read_text(encoding="utf-8"))
+        report = json.loads(local.read_text(encoding="utf-8"))
+        detection = ((report.get("model") or {}).get("accuracy") or {}).get("detection")
+        if detection and detection.get("map50") is None and options.data:
+            # the device decoded its own outputs; pycocotools scores them here, against the same file's boxes
+            found = confine(results_remote, f"{stem}.profile.detections.npz")
+            local_found = local.with_name(f"{stem}.profile.detections.npz")
+            transport.download(found, local_found)
+            report = _score_device_detections(report, local_found, options.data)
+            from edgeq.artifacts import write_json_atomic
+
+            write_json_atomic(local, report)
     run = report["model"]["runs"][0]["latency"]
     accuracy = (report["model"].get("accuracy") or {}).get("accuracy")
     env = report["environment"]
@@ -303,6 +313,25 @@ def profile_on(
         push=pushed,
         report=report,
     )
+
+
+def _score_device_detections(report: dict, detections_file: Path, data: str | Path) -> dict:
+    """The device's decoded detections scored by pycocotools on this host (COCO mAP)."""
+    from edgeq.detection import mean_average_precision
+    from edgeq.runtime.inputs import read_npz
+    from edgeq.runtime.profile import read_detections
+
+    arrays = read_npz(data)
+    accuracy = report["model"]["accuracy"]
+    spec = accuracy["detection"]
+    x = next(v for k, v in arrays.items() if k == "x" or k.startswith("x_"))
+    size = tuple(int(d) for d in x.shape[1:3])
+    found = mean_average_precision(
+        read_detections(detections_file), arrays["gt_boxes"], arrays["gt_classes"], size, int(spec["classes"])
+    )
+    accuracy["detection"] = {**spec, **found, "scored_by": "pycocotools on the host, from the device's detections"}
+    accuracy["accuracy"] = found["map50"]
+    return report
 
 
 def quantized_inputs(model, data: str | Path, inputs: str = "x", limit: int | None = None) -> dict[str, np.ndarray]:

@@ -107,7 +107,9 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
         )
         budget = _num(d.get("max_drop_pp"))
         outputs = d.get("outputs") or []
-        if len(outputs) > 1 or (outputs and outputs[0].get("primary") != "accuracy"):
+        if d.get("detection"):
+            checks.append(_detection_check(d, budget))
+        elif len(outputs) > 1 or (outputs and outputs[0].get("primary") != "accuracy"):
             checks += _output_checks(d, budget)
         elif d.get("drop_pp") is None:
             checks.append(Check(None, f"{_name(d['model'])}: no labels, outputs compared only ({d.get('data')})"))
@@ -185,6 +187,20 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
     return [{**dict.fromkeys(MODEL_FIELDS), **r} for r in ordered], checks
 
 
+def _detection_check(d: dict, budget: float | None) -> Check:
+    """A detector's verdict: its mAP@0.5 drop (both heads decoded, pycocotools) against the budget."""
+    det = d["detection"]
+    text = (
+        f"{_name(d['model'])}: detection mAP@0.5 {det['reference_map50']:.3f} -> {det['map50']:.3f} "
+        f"(mAP@0.5:0.95 {det['reference_map']:.3f} -> {det['map']:.3f}), drop {det['drop']:+.2f} points "
+        f"on {det['images']} images"
+    )
+    if budget is None:
+        return Check(None, text + " (no budget given: edgeq eval --max-drop sets one)")
+    ok = det["drop"] <= budget
+    return Check(ok, f"{text} {'within' if ok else 'exceeds'} the {budget:g}-point budget")
+
+
 def _output_checks(d: dict, budget: float | None) -> list[Check]:
     """One check per output with a primary metric: its drop against the budget (in the task's unit)."""
     checks = []
@@ -221,6 +237,21 @@ def _outputs(sources: Sources) -> list[dict]:
         outputs = d.get("outputs") or []
         if len(outputs) < 2 and all(o.get("task") == "classification" for o in outputs):
             continue
+        det = d.get("detection")
+        if det:
+            rows.append(
+                {
+                    "where": _name(d["model"]),
+                    "output": f"{det['boxes']} + {det['scores']}",
+                    "task": f"detection ({det['layout']})",
+                    "metrics": f"mAP@0.5 {det['reference_map50']:.4f} -> {det['map50']:.4f}, "
+                    f"mAP@0.5:0.95 {det['reference_map']:.4f} -> {det['map']:.4f}",
+                    "drop": det["drop"],
+                    "unit": "points",
+                    "sqnr_db": None,
+                    "agreement": None,
+                }
+            )
         for o in outputs:
             c = o.get("comparison") or {}
             rows.append(
@@ -242,6 +273,20 @@ def _outputs(sources: Sources) -> list[dict]:
     for doc in sources.of("profile"):
         if doc.device is None:
             continue
+        det = ((doc.data.get("model") or {}).get("accuracy") or {}).get("detection")
+        if det and det.get("map50") is not None:
+            rows.append(
+                {
+                    "where": f"device {doc.device}",
+                    "output": f"{det['boxes']} + {det['scores']}",
+                    "task": f"detection ({det['layout']})",
+                    "metrics": f"mAP@0.5 {det['map50']:.4f}, mAP@0.5:0.95 {det['map']:.4f} ({det.get('scored_by')})",
+                    "drop": None,
+                    "unit": "",
+                    "sqnr_db": None,
+                    "agreement": None,
+                }
+            )
         acc = ((doc.data.get("model") or {}).get("accuracy") or {}).get("outputs") or []
         agree = {o["name"]: o for o in ((doc.data.get("agreement") or {}).get("outputs") or [])}
         if len(acc) < 2 and all(o.get("task") == "classification" for o in acc):

@@ -41,6 +41,10 @@ def training_curves(stages: list[dict]) -> str | None:
         return None
     plt = _pyplot()
     fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(8, 3))
+    # the first metric Keras logged beside the loss: accuracy for a classifier, mae for a regressor, ...
+    first = next((e for s in stages for e in (s.get("epochs") or [])), {})
+    metric = next((k for k in first if k not in ("epoch", "seconds", "loss") and not k.startswith("val_")
+                   and not k.endswith("_loss")), "accuracy")  # fmt: skip
     start = 0
     for stage in stages:
         epochs = stage.get("epochs") or []
@@ -48,7 +52,7 @@ def training_curves(stages: list[dict]) -> str | None:
             continue
         x = [start + i + 1 for i in range(len(epochs))]
         color = COLORS["fp32"] if stage.get("kind") == "fp32" else COLORS["qat"]
-        for key, ax in (("accuracy", acc_ax), ("loss", loss_ax)):
+        for key, ax in ((metric, acc_ax), ("loss", loss_ax)):
             if all(key in e for e in epochs):
                 ax.plot(x, [e[key] for e in epochs], color=color, alpha=0.45, lw=1)
             if all(f"val_{key}" in e for e in epochs):
@@ -57,13 +61,14 @@ def training_curves(stages: list[dict]) -> str | None:
             for ax in (acc_ax, loss_ax):
                 ax.axvline(start + 0.5, color="#888", ls=":", lw=1)
         start += len(epochs)
-    acc_ax.set_title("accuracy (thin: train)")
+    acc_ax.set_title(f"{metric} (thin: train)")
     loss_ax.set_title("loss (thin: train)")
     loss_ax.set_yscale("log")
     for ax in (acc_ax, loss_ax):
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
-    acc_ax.legend(fontsize=7, loc="lower right")
+    if acc_ax.get_legend_handles_labels()[0]:
+        acc_ax.legend(fontsize=7, loc="lower right")
     return _svg_uri(fig)
 
 

@@ -272,3 +272,15 @@ def holds_class_ids(y: np.ndarray) -> bool:
     if np.issubdtype(y.dtype, np.integer):
         return y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)
     return y.ndim == 1 and np.issubdtype(y.dtype, np.floating) and bool(np.all(np.mod(y, 1) == 0))
+
+
+def detection_beside(model_path: str | Path) -> dict | None:
+    """The detection spec (heads, layout, classes) the manifest beside ``model_path`` records; None if none."""
+    manifest = manifest_beside(model_path)
+    if not manifest.is_file():
+        return None
+    try:
+        recorded = json.loads(manifest.read_text(encoding="utf-8")).get("detection")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DataError(f"{manifest}: not a readable edgeq manifest ({exc}); remove it or convert again") from exc
+    return recorded if isinstance(recorded, dict) else None

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,12 @@ import numpy as np
 
 from edgeq import __version__
 from edgeq.artifacts import sha256_bytes
-from edgeq.errors import DataError, ModelLoadError, UsageError
+from edgeq.errors import DataError, MissingExtraError, ModelLoadError, UsageError
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
     Normalization,
     class_labels,
+    detection_beside,
     holds_class_ids,
     normalization_beside,
     outputs_beside,
@@ -136,6 +137,7 @@ class AccuracyStats:
     labelled: bool
     accuracy: float | None  # the first output's primary metric (top-1 of a classifier); None without labels
     outputs: tuple[dict, ...] = ()  # each output: name, task, its task's metrics (edgeq.tasks.score)
+    detection: dict | None = None  # a detector on data with boxes: decoded here; mAP here or by the host
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ class ModelProfile:
     model: ModelFacts
     runs: tuple[RunResult, ...]
     accuracy: AccuracyStats | None
+    detections: tuple | None = field(default=None, repr=False, compare=False)  # per image, not in the JSON
 
 
 @dataclass(frozen=True)
@@ -411,10 +414,12 @@ def load_npz(
             raise DataError(f"{path}: the input arrays hold different numbers of samples ({sorted(counts)})")
         count = counts.pop()
     named = {k[2:]: v for k, v in arrays.items() if k.startswith("y_")}
-    key = labels if labels is not None else ("y" if "y" in arrays else ("y_*" if named else None))
+    truth = {k: arrays[k] for k in ("gt_boxes", "gt_classes") if k in arrays}  # a detector's ground truth
+    key = labels if labels is not None else ("y" if "y" in arrays else ("y_*" if named or truth else None))
     y = None
     if key == "y_*":
         y = {name: _targets(v, count, path, f"y_{name}") for name, v in named.items()}
+        y |= {k: np.asarray(v, np.float32 if k == "gt_boxes" else np.int64) for k, v in truth.items()}
     elif key is not None:
         if key not in arrays:
             raise DataError(f"{path}: labels missing: no array {key!r} (it has {', '.join(sorted(arrays))})")
@@ -633,6 +638,60 @@ def _accuracy(outputs: dict[str, np.ndarray], data: Dataset, specs: list[OutputS
     return AccuracyStats(samples=data.count, labelled=True, accuracy=first, outputs=tuple(rows))
 
 
+def _detect(path: Path, outputs: dict, data: Dataset, accuracy: AccuracyStats):
+    """A detector's outputs decoded and NMS'd here, as on the host (edgeq.detection); scored by
+    pycocotools where this device has it, else by the host that fetches them (profile --on)."""
+    from edgeq.detection import DetectionSpec, decode, mean_average_precision
+
+    recorded = detection_beside(path)
+    if recorded is None:
+        return accuracy, None
+    spec = DetectionSpec.from_dict(recorded)
+    detections = decode(spec, outputs)
+    found: dict[str, Any] = {
+        **spec.to_dict(),
+        "images": data.count,
+        "detections": sum(len(d.scores) for d in detections),
+    }
+    try:
+        size = tuple(next(iter(data.x.values())).shape[1:3]) if isinstance(data.x, dict) else tuple(data.x.shape[1:3])
+        found |= mean_average_precision(detections, data.y["gt_boxes"], data.y["gt_classes"], size, spec.classes)
+        found["scored_by"] = "pycocotools on this device"
+    except MissingExtraError:
+        found |= {"map": None, "map50": None, "scored_by": "the host (pycocotools is not installed here)"}
+    return dataclasses.replace(accuracy, detection=found, accuracy=found.get("map50")), tuple(detections)
+
+
+def write_detections(profile: ModelProfile, path: str | Path) -> Path | None:
+    """The decoded detections of a profiled detector as .npz (image, box, score, class rows)."""
+    if profile.detections is None:
+        return None
+    rows = [(i, b, s, c) for i, d in enumerate(profile.detections) for b, s, c in zip(d.boxes, d.scores, d.classes)]
+    arrays = {
+        "image": np.asarray([r[0] for r in rows], np.int64),
+        "boxes": np.asarray([r[1] for r in rows], np.float32).reshape(-1, 4),
+        "scores": np.asarray([r[2] for r in rows], np.float32),
+        "classes": np.asarray([r[3] for r in rows], np.int64),
+        "images": np.asarray(len(profile.detections)),
+    }
+    path = Path(path)
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def read_detections(path: str | Path) -> list:
+    """What ``write_detections`` wrote, back as one edgeq.detection.Detections per image."""
+    from edgeq.detection import Detections
+
+    with np.load(path) as npz:
+        image, boxes, scores, classes = npz["image"], npz["boxes"], npz["scores"], npz["classes"]
+        count = int(npz["images"])
+    return [Detections(boxes[image == i], scores[image == i], classes[image == i]) for i in range(count)]
+
+
 def _facts(model: TFLiteModel) -> ModelFacts:
     desc = model.description
     assert desc is not None  # loaded with verify=True
@@ -668,8 +727,12 @@ def _profile_one(
                 outputs = predict_all(model, data.x, kwargs.get("progress"), desc=f"{path.name} accuracy")
         del model
     accuracy = _accuracy(outputs, data, specs, str(path)) if data is not None and outputs is not None else None
+    detections = None
+    if accuracy is not None and isinstance(data.y, dict) and "gt_boxes" in data.y:
+        accuracy, detections = _detect(path, outputs, data, accuracy)
     assert facts is not None
-    return ModelProfile(model=facts, runs=tuple(runs), accuracy=accuracy), outputs, specs
+    profile = ModelProfile(model=facts, runs=tuple(runs), accuracy=accuracy, detections=detections)
+    return profile, outputs, specs
 
 
 def profile_model(

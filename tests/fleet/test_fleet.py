@@ -163,6 +163,24 @@ def test_a_three_output_model_is_bit_exact_on_every_output_of_the_emulated_pi(cl
     assert on_device == on_host and "accuracy" in on_host["face_prob"]["metrics"]
 
 
+def test_a_detectors_map_on_the_emulated_pi_equals_the_hosts(cli, fleet, detector, tmp_path, monkeypatch):
+    """The emulated Raspberry Pi 4 runs the integer-only detector on the exported test split and
+    decodes its own outputs; pycocotools scores them on the host: the same mAP as the host's run."""
+    folder, _ = detector
+    monkeypatch.chdir(tmp_path)
+    model, data = folder / "det_int8.tflite", folder / "test.npz"
+    result = _run(cli, fleet, "profile", model, "--data", data, "--runs", "2", "--on", "pi4-emu")
+    assert result.exit_code == 0, result.output
+    device = json.loads((tmp_path / "results" / "pi4-emu" / "det_int8.profile.json").read_text())
+    assert device["environment"]["machine"] == "aarch64"
+    on_device = device["model"]["accuracy"]["detection"]
+    assert on_device["scored_by"].startswith("pycocotools on the host")
+    assert cli("profile", model, "--data", data, "--runs", "1", "--json", tmp_path / "host.json").exit_code == 0
+    on_host = json.loads((tmp_path / "host.json").read_text())["model"]["accuracy"]["detection"]
+    assert on_device["images"] == on_host["images"] == 120 and on_device["detections"] == on_host["detections"]
+    assert (on_device["map50"], on_device["map"]) == (on_host["map50"], on_host["map"])
+
+
 def test_hostile_file_names_inject_nothing(cli, fleet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     names = ["a b;rm -rf ~.tflite", "x;touch INJECTED;.tflite", "$(touch INJECTED2).tflite", "`touch INJECTED3`.tflite"]
