@@ -978,12 +978,11 @@ OD_LABEL = "image/object/class/label"
 def is_detection_tfrecord(pattern: str) -> bool:
     """Whether the first record of ``pattern`` is in the TF Object Detection API's layout."""
     tf = _tf()
-    for record in tf.data.TFRecordDataset(_tfrecord_files(pattern)[:1]).take(1):
-        try:
-            example = tf.train.Example.FromString(record.numpy())
-        except Exception:  # a broken file: load_tfrecord names it
-            return False
-        return OD_BOX[0] in example.features.feature
+    try:
+        for record in tf.data.TFRecordDataset(_tfrecord_files(pattern)[:1]).take(1):
+            return OD_BOX[0] in tf.train.Example.FromString(record.numpy()).features.feature
+    except Exception:  # a broken file (DataLossError, DecodeError, ...): load_tfrecord names it
+        return False
     return False
 
 
