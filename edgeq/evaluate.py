@@ -194,18 +194,14 @@ def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path) ->
     """mAP@0.5 and mAP@0.5:0.95 of both models' decoded detections (pycocotools), and the drop in
     points of mAP@0.5; None when the model is no detector or the data has no boxes."""
     from edgeq.detection import DetectionSpec, decode, detection_spec_of, mean_average_precision
-    from edgeq.runtime.inputs import manifest_beside
+    from edgeq.runtime.inputs import detection_beside
 
     spec = detection_spec_of(specs)
     if spec is None:
         return None
-    manifest = manifest_beside(model)
-    if manifest.is_file():
-        import json
-
-        recorded = json.loads(manifest.read_text()).get("detection")
-        if isinstance(recorded, dict):
-            spec = DetectionSpec.from_dict(recorded)
+    recorded = detection_beside(model)
+    if recorded is not None:
+        spec = DetectionSpec.from_dict(recorded)
     truth = dataset.targets(split, "gt_boxes"), dataset.targets(split, "gt_classes")
     if truth[0] is None or truth[1] is None:
         return None

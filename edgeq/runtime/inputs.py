@@ -234,32 +234,31 @@ def manifest_beside(model_path: str | Path) -> Path:
     return path.with_name(f"{path.stem}.manifest.json")
 
 
-def normalization_beside(model_path: str | Path) -> Normalization | None:
-    """The normalisation the manifest beside ``model_path`` records; None without one."""
+def recorded_beside(model_path: str | Path, key: str):
+    """What the manifest beside ``model_path`` records under ``key``; None without a manifest or the key."""
     manifest = manifest_beside(model_path)
     if not manifest.is_file():
         return None
     try:
-        recorded = json.loads(manifest.read_text(encoding="utf-8")).get("normalization")
+        return json.loads(manifest.read_text(encoding="utf-8")).get(key)
     except (OSError, ValueError, AttributeError) as exc:
         raise DataError(f"{manifest}: not a readable edgeq manifest ({exc}); remove it or convert again") from exc
+
+
+def normalization_beside(model_path: str | Path) -> Normalization | None:
+    """The normalisation the manifest beside ``model_path`` records; None without one."""
+    recorded = recorded_beside(model_path, "normalization")
     if not isinstance(recorded, dict):
         return None
     try:
         return Normalization.from_dict(recorded)
     except (TypeError, ValueError) as exc:
-        raise DataError(f"{manifest}: bad normalization record {recorded!r}") from exc
+        raise DataError(f"{manifest_beside(model_path)}: bad normalization record {recorded!r}") from exc
 
 
 def outputs_beside(model_path: str | Path) -> list[dict]:
     """The outputs (name, task, ...) the manifest beside ``model_path`` records, in the model's order ([]: none)."""
-    manifest = manifest_beside(model_path)
-    if not manifest.is_file():
-        return []
-    try:
-        recorded = json.loads(manifest.read_text(encoding="utf-8")).get("outputs", [])
-    except (OSError, ValueError, AttributeError) as exc:
-        raise DataError(f"{manifest}: not a readable edgeq manifest ({exc}); remove it or convert again") from exc
+    recorded = recorded_beside(model_path, "outputs")
     return [o for o in recorded if isinstance(o, dict) and "name" in o] if isinstance(recorded, list) else []
 
 
@@ -276,11 +275,5 @@ def holds_class_ids(y: np.ndarray) -> bool:
 
 def detection_beside(model_path: str | Path) -> dict | None:
     """The detection spec (heads, layout, classes) the manifest beside ``model_path`` records; None if none."""
-    manifest = manifest_beside(model_path)
-    if not manifest.is_file():
-        return None
-    try:
-        recorded = json.loads(manifest.read_text(encoding="utf-8")).get("detection")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise DataError(f"{manifest}: not a readable edgeq manifest ({exc}); remove it or convert again") from exc
+    recorded = recorded_beside(model_path, "detection")
     return recorded if isinstance(recorded, dict) else None
