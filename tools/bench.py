@@ -20,7 +20,20 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
 MARK = "<!-- section: {} -->"
-SECTIONS = ("host", "keras", "ptq", "tasks", "fleet", "precision", "analyze", "distribute", "fuzz", "report", "device")
+SECTIONS = (
+    "host",
+    "keras",
+    "ptq",
+    "tasks",
+    "detection",
+    "fleet",
+    "precision",
+    "analyze",
+    "distribute",
+    "fuzz",
+    "report",
+    "device",
+)
 
 
 def _cpu() -> str:
