@@ -17,10 +17,24 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# What a test needs, by the fixtures it uses: `-m "not fleet"` and the like select by it.
+NEEDS = {
+    "fleet": {"fleet_env", "fleet"},
+    "venv": {"edgeq_wheel", "base_venv", "tflite_runtime_venv", "bare_venv", "tflite_runtime_python"},
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("EDGEQ_SLOW") or config.getoption("-m"):
+    """Markers by need (pyproject declares them); and one gate: a test marked slow runs with
+    EDGEQ_SLOW=1 (make test-all), else it is skipped."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in NEEDS.items():
+            if used & fixtures or (marker == "fleet" and "tests/fleet/" in item.nodeid):
+                item.add_marker(marker)
+    if os.environ.get("EDGEQ_SLOW") == "1":
         return
-    skip = pytest.mark.skip(reason="slow: run with EDGEQ_SLOW=1 (make test-all) or -m slow")
+    skip = pytest.mark.skip(reason="slow: run with EDGEQ_SLOW=1 (make test-all)")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

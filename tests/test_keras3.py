@@ -3,7 +3,6 @@
 import edgeq.compat  # noqa: F401, I001  (sets TF_USE_LEGACY_KERAS before keras 3 imports TensorFlow)
 
 import json
-import os
 import time
 import zipfile
 
@@ -386,7 +385,6 @@ ARCHITECTURES = [
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("EDGEQ_SLOW") != "1", reason="slow: run with EDGEQ_SLOW=1")
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_keras_applications_translate(name):
     model = getattr(keras.applications, name)(weights=None, input_shape=(32, 32, 3), classes=10)

@@ -83,6 +83,7 @@ def _pixel_std(png: Path) -> float:
     return float(np.asarray(Image.open(png).convert("L"), dtype=np.float32).std())
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium: deploy/test-env.sh (make test) installs Debian's package")
 def test_demo_report_in_headless_chromium_shows_the_json_numbers(cli, demo, tmp_path):
     out = tmp_path / "report.html"

@@ -7,7 +7,6 @@ They need the MobileNetV2 files that `python tools/make_tiny_models.py --skip-ti
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 import pytest
@@ -17,7 +16,6 @@ from .conftest import ROOT
 MODELS = ROOT / "runs" / "bench"
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not os.environ.get("EDGEQ_SLOW"), reason="slow benchmark: set EDGEQ_SLOW=1"),
     pytest.mark.skipif(
         not (MODELS / "mobilenetv2_int8.tflite").exists(),
         reason="no MobileNetV2 models: python tools/make_tiny_models.py --skip-tiny --mobilenetv2 runs/bench",
