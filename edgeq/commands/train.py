@@ -81,6 +81,17 @@ def _model_options(values: tuple[str, ...]) -> dict:
 @click.option(
     "--input-shape", metavar="HxWxC", help="Fix the free (None) dimensions of a fully convolutional model's input."
 )
+@click.option(
+    "--distill",
+    is_flag=True,
+    help="QAT learns the FP32 model's outputs instead of the labels (always when the data has none).",
+)
+@click.option(
+    "--compare-int8/--no-compare-int8",
+    default=True,
+    show_default=True,
+    help="After QAT: convert the FP32 model by PTQ and the QAT model, both --int8-only, and score both on val.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--augment", help="Image augmentation while training: flip, crop or flip,crop (seeded by --seed).")
 @click.option(
@@ -129,7 +140,7 @@ def train(model, out_dir, resume, force, model_options, activation_bits, **optio
     def shown(value: float) -> str:
         if value != value:  # NaN: e.g. an anomaly AUC on a split with normal samples only
             return "-"
-        return f"{value:.2%}" if metric == "accuracy" else f"{value:.4g}"
+        return f"{value:.2%}" if metric in ("accuracy", "agreement") else f"{value:.4g}"
 
     rows = [
         (
@@ -149,6 +160,10 @@ def train(model, out_dir, resume, force, model_options, activation_bits, **optio
         click.echo(f"ranges under {result.distribution['strategy']}: {result.distribution['cross_replica_ranges']}")
     if result.float_layers:
         click.echo(f"left float in QAT: {', '.join(result.float_layers)}")
+    if result.int8_comparison:
+        from edgeq.train.compare import summary
+
+        click.echo(summary(result.int8_comparison))
     click.echo(f"FP32 model: {result.fp32_model}")
     if result.qat_model:
         click.echo(f"QAT model:  {result.qat_model}  (next: edgeq convert {result.qat_model} --int8-only)")

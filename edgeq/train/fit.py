@@ -48,7 +48,7 @@ from edgeq.model_io import (
     with_input_shape,
 )
 from edgeq.tasks import score, task
-from edgeq.train import distribute, pipeline, schemes
+from edgeq.train import distill, distribute, pipeline, schemes
 from edgeq.train.layer_config import LayerConfig, LayerPrecision
 from edgeq.train.objectives import check_targets, compile_for, objectives, target_plan, with_detection_targets
 from edgeq.train.observe import initialize_ranges, input_preprocessing
@@ -85,6 +85,8 @@ class TrainConfig:
     task: str | None = None  # what each output is (--task KIND | NAME=KIND,... | FILE.json); None: inferred
     loss: str | None = None  # --loss LOSS | NAME=LOSS,...; None: the model file's compile config, else the task's
     input_shape: str | None = None  # --input-shape HxWxC: fixes a fully convolutional model's free dimensions
+    distill: bool = False  # QAT learns the FP32 model's outputs (always when the data has no labels)
+    compare_int8: bool = True  # after QAT: the PTQ and the QAT int8 models, both scored on val
     # tf.distribute (edgeq.train.distribute); these describe this process, not the run, so
     # --resume takes them from the command line, not from the saved options
     strategy: str = "default"
@@ -121,6 +123,7 @@ class TrainResult:
     float_layers: tuple[str, ...] = ()  # layers the QAT model leaves in float
     ranges: dict | None = None  # quantizer_ranges() of the QAT model
     distribution: dict | None = None  # run.json's "distribution"
+    int8_comparison: dict | None = None  # run.json's "int8_comparison": PTQ vs QAT int8 on val
 
 
 def _output_is_probability(model) -> bool:
@@ -358,7 +361,8 @@ def restore_checkpoint(model, checkpoint_dir: Path, state: dict) -> None:
 
 
 def _resolve(config: TrainConfig):
-    """Model, dataset and the effective hyper-parameters (recipe defaults filled in)."""
+    """Model, dataset, the effective hyper-parameters (recipe defaults filled in), the
+    objectives, and why QAT distils from the FP32 model (None: it learns the labels)."""
     from edgeq import zoo
 
     recipe = None
@@ -384,7 +388,7 @@ def _resolve(config: TrainConfig):
                 "convolutional model): fix them with --input-shape HxWxC"
             )
         input_shape = next(iter(shapes.values())) if len(shapes) == 1 else shapes
-        dataset = load_dataset(data_source, input_shape=input_shape)
+        dataset = load_dataset(data_source, input_shape=input_shape, labels_required=False)
         dataset.check_fits(input_shape, where=f"model {config.model}")
     else:
         options = {**recipe.model, **config.model_options}
@@ -408,12 +412,30 @@ def _resolve(config: TrainConfig):
     declared = config.task or (recipe.task if recipe else None)
     specs = output_specs(model, declared, None, dataset)
     objs = objectives(model, specs, config.model if recipe is None else None, config.loss)
+    reason = "--distill" if config.distill else None
+    if not dataset.labelled and not any(o.spec.kind == "reconstruction" for o in objs):
+        if recipe is not None:
+            raise DataError(
+                f"data {data_source!r} has no labels, and {config.model} is a reference model that learns from "
+                "them; give a trained model (.keras/.h5/SavedModel) to quantize it by distillation"
+            )
+        if config.epochs:
+            raise UsageError(
+                f"data {data_source!r} has no labels, so there is no FP32 training: give --epochs 0 (QAT then "
+                "learns the model's own outputs)"
+            )
+        reason = distill.NO_LABELS
+    if reason is not None:
+        distill.check_dataset(dataset, data_source)
     if any(o.spec.kind == "reconstruction" for o in objs):
         dataset = normal_samples_for_training(dataset)
-    dataset = with_detection_targets(objs, dataset)
-    check_targets(objs, dataset)
+    if reason != distill.NO_LABELS:
+        dataset = with_detection_targets(objs, dataset)
+        check_targets(objs, dataset)
     hp = {
-        "epochs": config.epochs if config.epochs is not None else (recipe.epochs if recipe else 10),
+        "epochs": config.epochs
+        if config.epochs is not None
+        else (0 if reason == distill.NO_LABELS else (recipe.epochs if recipe else 10)),
         "qat_epochs": config.qat_epochs if config.qat_epochs is not None else (recipe.qat_epochs if recipe else 3),
         "batch_size": config.batch_size or (recipe.batch_size if recipe else 32),
         "learning_rate": config.learning_rate or (recipe.learning_rate if recipe else 1e-3),
@@ -421,7 +443,7 @@ def _resolve(config: TrainConfig):
         "seed": config.seed,
         "op_determinism": True,
     }
-    return model, dataset, hp, recipe, user_model, objs
+    return model, dataset, hp, recipe, user_model, objs, reason
 
 
 def _save_fp32(run: _Run, float_model, user_model) -> None:
@@ -456,6 +478,37 @@ def _detection_map50(model, dataset, split: str, objs, batch_size: int) -> float
     return found["map50"]
 
 
+def _compare_int8(out_dir: Path, qat_path: Path, dataset, objs, plan, teacher) -> dict | None:
+    """PTQ of fp32.keras vs the QAT model, both int8-only, on val (edgeq.train.compare)."""
+    from edgeq.train.compare import compare_int8
+
+    spec = objs[0].spec
+    if spec.kind.startswith("detection") or dataset.count("val") == 0:
+        return None  # a detector's mAP: edgeq eval of each
+    if plan is None:  # no labels: the FP32 model's answers
+        targets = teacher[0].targets("val", spec.name)
+        if spec.kind == "classification" and np.ndim(targets) > 1 and np.shape(targets)[-1] > 1:
+            targets = np.argmax(np.reshape(targets, (len(targets), -1)), axis=1)
+    elif spec.kind == "reconstruction":
+        targets = dataset.targets("val") if dataset.labelled else None
+    else:
+        targets = dataset.targets("val", plan[0]) if plan[0] != "input" else None
+    return compare_int8(out_dir, out_dir / FP32_NAME, qat_path, dataset, spec, targets)
+
+
+def _first_qat(stages: list[Stage]) -> Stage:
+    return next(s for s in stages if s.kind == "qat")
+
+
+def _teacher(float_model, out_dir: Path, fresh: bool, dataset, objs, batch_size: int):
+    """Distillation's targets: the FP32 model's outputs on every split (the model in memory when it
+    is still the FP32 one, else fp32.keras), with each output's distillation loss and target plan."""
+    teacher = float_model if fresh else load_user_model(out_dir / FP32_NAME)
+    names = [o.spec.name for o in objs]
+    log.info("distillation: QAT learns the outputs of the FP32 model (%s)", ", ".join(names))
+    return distill.teacher_dataset(teacher, dataset, names, batch_size), distill.objectives(objs, float_model), names
+
+
 def start_ranges(init_ranges: str, float_model, objs) -> tuple[str | None, set[str] | None]:
     """Which activation ranges QAT starts from the data, and by which method (None: TF-MOT's start).
 
@@ -473,11 +526,13 @@ def start_ranges(init_ranges: str, float_model, objs) -> tuple[str | None, set[s
     return ("minmax", preprocessing) if preprocessing else (None, None)
 
 
-def _stage_metric(model, dataset, split: str, objs, plan, batch_size: int = 256) -> tuple[str, float]:
+def _stage_metric(
+    model, dataset, split: str, objs, plan, batch_size: int = 256, by_keras: bool = True
+) -> tuple[str, float]:
     """The first output's primary metric on a split: a classifier's accuracy through Keras (shared
     across replicas), any other task's through edgeq.tasks on the split's predictions."""
     first = objs[0].spec
-    if len(objs) == 1 and first.kind == "classification":
+    if len(objs) == 1 and first.kind == "classification" and by_keras:
         return "accuracy", _accuracy(model, dataset, split, batch_size)
     if any(o.spec.kind == "detection_boxes" for o in objs):
         return "map50", _detection_map50(model, dataset, split, objs, batch_size)
@@ -487,6 +542,8 @@ def _stage_metric(model, dataset, split: str, objs, plan, batch_size: int = 256)
     x, _ = dataset.split(split)
     outputs = keras_outputs_in_order(model, x, batch_size)
     targets = x if plan[0] == "input" else dataset.targets(split, plan[0])
+    if first.kind == "classification" and targets is not None and np.ndim(targets) > 1 and np.shape(targets)[-1] > 1:
+        targets = np.argmax(np.reshape(targets, (len(targets), -1)), axis=1)  # a teacher's scores: its classes
     if first.kind == "reconstruction":
         targets = dataset.targets(split) if dataset.labelled else None
     scores = score(first, outputs[0], targets, x if not isinstance(x, dict) else None)
@@ -535,8 +592,9 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     # --seed N and TensorFlow's deterministic kernels: the same command gives the same weights
     keras.utils.set_random_seed(config.seed)
     tf.config.experimental.enable_op_determinism()
-    model, dataset, hp, recipe, user_model, objs = _resolve(config)
-    plan = target_plan(objs, dataset)
+    model, dataset, hp, recipe, user_model, objs, distill_reason = _resolve(config)
+    plan = None if distill_reason == distill.NO_LABELS else target_plan(objs, dataset)
+    teacher = None  # distillation: (the dataset with the FP32 model's outputs as targets, objectives, plan)
     if dist.chief:
         for warning in concatenated_outputs(model, dataset.calibration_samples(min(64, dataset.count("train")))):
             log.warning("%s", warning)
@@ -616,6 +674,9 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
             initial_epoch = start_epoch if index == start_stage else 0
             if initial_epoch == 0:
                 run.save_stage_start(float_model, index)
+            if stage.kind == "qat" and distill_reason and teacher is None:
+                teacher = _teacher(float_model, out_dir, index == stages.index(_first_qat(stages)) and
+                                   initial_epoch == 0, dataset, objs, hp["batch_size"])  # fmt: skip
             if stage.kind == "qat" and initial_epoch == 0:
                 # The layers edgeq rewrites before wrapping (TF ops, SeparableConv2D) are
                 # rewritten in the float model too, so QAT's weights map back onto it.
@@ -654,24 +715,26 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                         initialized[stage.name] = set_here
                 if dist.replicas > 1:
                     synchronize_batchnorm(stage_model)
-                _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value, objs)
+                stage_objs = teacher[1] if teacher else objs
+                _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value, stage_objs)
             if initial_epoch > 0:
                 restore_checkpoint(stage_model, out_dir / "checkpoint", state)
             t0 = time.perf_counter()
+            fit_set, fit_plan = (teacher[0], teacher[2]) if teacher and stage.kind == "qat" else (dataset, plan)
             if initial_epoch < stage.epochs:
                 train_data = pipeline.split_dataset(
-                    dataset,
+                    fit_set,
                     "train",
                     hp["batch_size"],
                     training=True,
                     seed=config.seed,
                     augment=augment,
                     epochs=(initial_epoch, stage.epochs),
-                    targets=plan,
+                    targets=fit_plan,
                 )
                 val_data = (
-                    pipeline.split_dataset(dataset, "val", hp["batch_size"], targets=plan)
-                    if dataset.count("val")
+                    pipeline.split_dataset(fit_set, "val", hp["batch_size"], targets=fit_plan)
+                    if fit_set.count("val")
                     else None
                 )
                 recorder = _EpochRecorder(run, index, bar)
@@ -693,8 +756,12 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                         f"stage {stage.name} diverged: the loss became NaN or infinite in {recorder.diverged}; "
                         f"{kept}checkpoint/ holds the last finite epoch. Try {hint}a lower {lr}{clip}"
                     )
-            metric, val_acc = _stage_metric(stage_model, dataset, "val", objs, plan)
-            _, test_acc = _stage_metric(stage_model, dataset, "test", objs, plan)
+            judged = (dataset, plan) if plan is not None else (teacher[0], teacher[2])
+            by_keras = not (teacher and stage.kind == "qat")  # a distilled model has no Keras accuracy metric
+            metric, val_acc = _stage_metric(stage_model, judged[0], "val", objs, judged[1], by_keras=by_keras)
+            _, test_acc = _stage_metric(stage_model, judged[0], "test", objs, judged[1], by_keras=by_keras)
+            if plan is None:  # no labels: judged against the FP32 model's outputs
+                metric = "agreement" if metric == "accuracy" else f"{metric}_vs_fp32"
             result = StageResult(
                 stage.name,
                 stage.kind,
@@ -754,6 +821,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         "num_classes": dataset.num_classes,
         # what each output is and what it trained with: convert, eval and profile read the tasks here
         "outputs": [o.to_dict() for o in objs],
+        "distillation": distill.describe(teacher[1], distill_reason) if teacher else None,
         "results": [asdict(r) for r in results],
         "resumed_from": [start_stage, start_epoch] if state is not None else None,
         "train_seconds": round(time.perf_counter() - started, 3),
@@ -778,6 +846,15 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     }
     write_json_atomic(out_dir / "run.json", record)
     shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
+    comparison = None
+    if qat_path is not None and config.compare_int8:  # the run is complete and recorded; this only adds to it
+        comparison = _compare_int8(out_dir, qat_path, dataset, objs, plan, teacher)
+        if comparison is not None:
+            record["int8_comparison"] = comparison
+            for key in ("ptq", "qat"):
+                if "path" in comparison[key]:
+                    record["artifacts"][comparison[key]["path"]] = sha256_file(out_dir / comparison[key]["path"])
+            write_json_atomic(out_dir / "run.json", record)
     return TrainResult(
         out_dir=out_dir,
         fp32_model=out_dir / FP32_NAME,
@@ -789,4 +866,5 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         float_layers=tuple(record["quantization"]["float_layers"]),
         ranges=ranges,
         distribution=record["distribution"],
+        int8_comparison=comparison,
     )

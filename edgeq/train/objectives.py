@@ -170,7 +170,8 @@ def _parse_loss_option(text: str | None, names: list[str]) -> dict[str, str]:
 def compile_for(model, objs: list[Objective], optimizer) -> None:
     """Compile ``model`` (float or its QAT form: outputs in the same order) with one loss per output."""
     losses = [o.loss for o in objs]
-    metrics = [[KERAS_METRIC[o.spec.kind]] if KERAS_METRIC[o.spec.kind] else [] for o in objs]
+    # a distilled output learns the teacher's scores: a class metric would read them as labels
+    metrics = [[KERAS_METRIC[o.spec.kind]] if KERAS_METRIC[o.spec.kind] and o.source != "distill" else [] for o in objs]
     if len(objs) == 1:
         model.compile(optimizer=optimizer, loss=losses[0], metrics=metrics[0])
         return

@@ -1,0 +1,119 @@
+"""What QAT bought: the PTQ int8 model of the FP32 weights beside the QAT int8 model, on val.
+
+After ``edgeq train``, both are converted ``--int8-only`` (the PTQ one as ``edgeq convert
+fp32.keras --int8-only`` would) and kept, ``ptq_int8.tflite`` and ``qat_int8.tflite``; both
+are scored on the same val samples by the first output's task metric, against the labels
+(or, without labels, the FP32 model's answers). The difference QAT - PTQ comes with a paired
+bootstrap 95% interval over the samples, so a user sees whether the QAT epochs paid off or
+whether the difference is within noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+from edgeq.errors import EdgeqError
+
+log = logging.getLogger(__name__)
+
+PTQ_NAME = "ptq_int8.tflite"
+QAT_INT8_NAME = "qat_int8.tflite"
+RESAMPLES = 500
+
+
+def paired_interval(scores, a: np.ndarray, b: np.ndarray, resamples: int = RESAMPLES, seed: int = 0) -> tuple:
+    """95% interval of scores(b) - scores(a) over ``resamples`` paired resamples of the sample indices."""
+    n = len(a)
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for _ in range(resamples):
+        idx = rng.integers(0, n, n)
+        diffs.append(scores(b, idx) - scores(a, idx))
+    finite = [d for d in diffs if math.isfinite(d)]
+    if not finite:
+        return (float("nan"), float("nan"))
+    low, high = np.percentile(finite, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def _convert(source: Path, out: Path) -> dict:
+    from edgeq.convert import ConvertOptions, convert
+
+    try:
+        result = convert(source, out, ConvertOptions(mode="int8-only"))
+    except EdgeqError as exc:
+        log.warning("int8 comparison: %s did not convert (%s)", source.name, str(exc).splitlines()[0])
+        return {"error": str(exc).splitlines()[0]}
+    return {"path": out.name, "size_bytes": result.size_bytes, "verified_sqnr_db": result.verification.sqnr_db}
+
+
+def compare_int8(out_dir: Path, fp32: Path, qat: Path, dataset, spec, targets, split: str = "val") -> dict:
+    """Convert both models, score both on ``split`` by ``spec``'s primary metric against ``targets``
+    (class ids or values of the first output; the FP32 model's outputs where the data has no labels),
+    and name the better one. Returns run.json's ``int8_comparison`` record."""
+    from edgeq.runtime.interpreter import TFLiteModel
+    from edgeq.tasks import score, task
+
+    record = {"split": split, "output": spec.name, "metric": task(spec.kind).primary}
+    models = {"ptq": _convert(fp32, out_dir / PTQ_NAME), "qat": _convert(qat, out_dir / QAT_INT8_NAME)}
+    record.update(models)
+    x = dataset.split(split)[0]
+    n = len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
+    if n == 0 or targets is None or not record["metric"]:
+        record["better"] = None
+        return record
+    metric = record["metric"]
+    inputs = x if not isinstance(x, dict) else None
+    targets = np.asarray(targets)
+    outputs = {}
+    for name, row in models.items():
+        if "error" in row:
+            continue
+        outputs[name] = TFLiteModel(out_dir / row["path"]).predict_outputs(x, batch_size=64)[spec.name]
+        row["value"] = float(score(spec, outputs[name], targets, inputs).get(metric, float("nan")))
+    record["samples"] = n
+    if len(outputs) < 2:
+        record["better"] = next(iter(outputs), None)
+        return record
+
+    def at(out, idx):
+        return score(spec, out[idx], targets[idx], inputs[idx] if inputs is not None else None).get(metric, math.nan)
+
+    higher = task(spec.kind).higher_is_better
+    diff = models["qat"]["value"] - models["ptq"]["value"]
+    low, high = paired_interval(at, outputs["ptq"], outputs["qat"])
+    record["qat_minus_ptq"] = diff
+    record["interval95"] = [low, high]
+    record["within_noise"] = bool(low <= 0.0 <= high)
+    gain = diff if higher else -diff
+    record["better"] = None if not math.isfinite(gain) else "qat" if gain > 0 else "ptq" if gain < 0 else "tie"
+    return record
+
+
+def summary(record: dict) -> str:
+    """One line for the terminal: both values, the difference with its interval, the better one."""
+    metric = record.get("metric") or "metric"
+    percent = metric in ("accuracy", "auc", "agreement", "top5", "pauc")
+
+    def shown(v):
+        return f"{v:.2%}" if percent else f"{v:.4g}"
+
+    parts = []
+    for name, label in (("ptq", "PTQ of fp32"), ("qat", "QAT")):
+        row = record.get(name, {})
+        parts.append(f"{label} {'failed' if 'error' in row else shown(row['value']) if 'value' in row else '-'}")
+    line = f"int8 on {record['split']} ({metric}): " + ", ".join(parts)
+    if "qat_minus_ptq" in record:
+        low, high = record["interval95"]
+        scale, unit = (100.0, " pp") if percent else (1.0, "")
+        line += (
+            f"; QAT - PTQ {record['qat_minus_ptq'] * scale:+.2f}{unit} (95% CI {low * scale:+.2f}..{high * scale:+.2f})"
+        )
+        line += ": within noise" if record["within_noise"] else f": {record['better'].upper()} is better"
+    elif record.get("better"):
+        line += f": {record['better'].upper()}"
+    return line
