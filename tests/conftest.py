@@ -87,13 +87,7 @@ def finetune(digits_run):
 
     def run(out_dir, **options):
         return train(
-            TrainConfig(
-                model=str(digits_run.fp32_model),
-                data="digits",
-                out_dir=str(out_dir),
-                epochs=0,
-                **{"compare_int8": False, **options},  # the PTQ/QAT comparison: tests/test_distill.py
-            )
+            TrainConfig(model=str(digits_run.fp32_model), data="digits", out_dir=str(out_dir), epochs=0, **options)
         )
 
     return run

@@ -93,14 +93,17 @@ def test_distill_with_labels_gives_each_output_its_loss(tmp_path, cli):
     assert comparison["output"] == "kind" and comparison["better"] in ("qat", "ptq", "tie", None)
 
 
-def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run):
+def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run, tmp_path):
     """Both int8 models are kept; each value equals edgeq eval's on the same val split, and the
     interval is a paired one around the difference."""
-    from edgeq.evaluate import evaluate
-    from edgeq.train.compare import summary
+    import shutil
 
-    comparison = digits_run.int8_comparison
-    out = digits_run.out_dir
+    from edgeq.analyze.qat_gain import compare_run, summary
+    from edgeq.evaluate import evaluate
+
+    out = tmp_path / "run"
+    shutil.copytree(digits_run.out_dir, out)
+    comparison = compare_run(out)
     assert comparison["metric"] == "accuracy" and comparison["samples"] > 0
     for key in ("ptq", "qat"):
         path = out / comparison[key]["path"]
@@ -119,7 +122,7 @@ def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run):
 
 
 def test_paired_interval_sees_a_real_difference_and_none_where_there_is_none():
-    from edgeq.train.compare import paired_interval
+    from edgeq.analyze.qat_gain import paired_interval
 
     rng = np.random.default_rng(1)
     truth = rng.integers(0, 2, 2000)

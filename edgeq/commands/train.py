@@ -110,7 +110,7 @@ def _model_options(values: tuple[str, ...]) -> dict:
 @click.option("--worker-index", type=click.IntRange(min=0), help="multi-worker: this worker's place in --workers.")
 @click.option("--resume", is_flag=True, help="Continue the unfinished run in --out (its saved options are used).")
 @click.option("--force", is_flag=True, help="Overwrite a run already in --out.")
-def train(model, out_dir, resume, force, model_options, activation_bits, **options):
+def train(model, out_dir, resume, force, model_options, activation_bits, compare_int8, **options):
     """Train MODEL (a reference name such as digits-cnn, or a .keras/.h5/SavedModel path):
     FP32 first, then quantization-aware fine-tuning with TF-MOT.
     A checkpoint is written every epoch; Ctrl-C loses at most one epoch (--resume).
@@ -160,10 +160,12 @@ def train(model, out_dir, resume, force, model_options, activation_bits, **optio
         click.echo(f"ranges under {result.distribution['strategy']}: {result.distribution['cross_replica_ranges']}")
     if result.float_layers:
         click.echo(f"left float in QAT: {', '.join(result.float_layers)}")
-    if result.int8_comparison:
-        from edgeq.train.compare import summary
+    if result.qat_model and compare_int8:  # the run is complete and recorded; this only adds to it
+        from edgeq.analyze.qat_gain import compare_run, summary
 
-        click.echo(summary(result.int8_comparison))
+        comparison = compare_run(result.out_dir)
+        if comparison is not None:
+            click.echo(summary(comparison))
     click.echo(f"FP32 model: {result.fp32_model}")
     if result.qat_model:
         click.echo(f"QAT model:  {result.qat_model}  (next: edgeq convert {result.qat_model} --int8-only)")

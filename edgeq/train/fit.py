@@ -86,7 +86,6 @@ class TrainConfig:
     loss: str | None = None  # --loss LOSS | NAME=LOSS,...; None: the model file's compile config, else the task's
     input_shape: str | None = None  # --input-shape HxWxC: fixes a fully convolutional model's free dimensions
     distill: bool = False  # QAT learns the FP32 model's outputs (always when the data has no labels)
-    compare_int8: bool = True  # after QAT: the PTQ and the QAT int8 models, both scored on val
     # tf.distribute (edgeq.train.distribute); these describe this process, not the run, so
     # --resume takes them from the command line, not from the saved options
     strategy: str = "default"
@@ -123,7 +122,6 @@ class TrainResult:
     float_layers: tuple[str, ...] = ()  # layers the QAT model leaves in float
     ranges: dict | None = None  # quantizer_ranges() of the QAT model
     distribution: dict | None = None  # run.json's "distribution"
-    int8_comparison: dict | None = None  # run.json's "int8_comparison": PTQ vs QAT int8 on val
 
 
 def _output_is_probability(model) -> bool:
@@ -478,24 +476,6 @@ def _detection_map50(model, dataset, split: str, objs, batch_size: int) -> float
     return found["map50"]
 
 
-def _compare_int8(out_dir: Path, qat_path: Path, dataset, objs, plan, teacher) -> dict | None:
-    """PTQ of fp32.keras vs the QAT model, both int8-only, on val (edgeq.train.compare)."""
-    from edgeq.train.compare import compare_int8
-
-    spec = objs[0].spec
-    if spec.kind.startswith("detection") or dataset.count("val") == 0:
-        return None  # a detector's mAP: edgeq eval of each
-    if plan is None:  # no labels: the FP32 model's answers
-        targets = teacher[0].targets("val", spec.name)
-        if spec.kind == "classification" and np.ndim(targets) > 1 and np.shape(targets)[-1] > 1:
-            targets = np.argmax(np.reshape(targets, (len(targets), -1)), axis=1)
-    elif spec.kind == "reconstruction":
-        targets = dataset.targets("val") if dataset.labelled else None
-    else:
-        targets = dataset.targets("val", plan[0]) if plan[0] != "input" else None
-    return compare_int8(out_dir, out_dir / FP32_NAME, qat_path, dataset, spec, targets)
-
-
 def _first_qat(stages: list[Stage]) -> Stage:
     return next(s for s in stages if s.kind == "qat")
 
@@ -846,15 +826,6 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     }
     write_json_atomic(out_dir / "run.json", record)
     shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
-    comparison = None
-    if qat_path is not None and config.compare_int8:  # the run is complete and recorded; this only adds to it
-        comparison = _compare_int8(out_dir, qat_path, dataset, objs, plan, teacher)
-        if comparison is not None:
-            record["int8_comparison"] = comparison
-            for key in ("ptq", "qat"):
-                if "path" in comparison[key]:
-                    record["artifacts"][comparison[key]["path"]] = sha256_file(out_dir / comparison[key]["path"])
-            write_json_atomic(out_dir / "run.json", record)
     return TrainResult(
         out_dir=out_dir,
         fp32_model=out_dir / FP32_NAME,
@@ -866,5 +837,4 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         float_layers=tuple(record["quantization"]["float_layers"]),
         ranges=ranges,
         distribution=record["distribution"],
-        int8_comparison=comparison,
     )

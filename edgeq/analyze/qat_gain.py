@@ -1,15 +1,16 @@
 """What QAT bought: the PTQ int8 model of the FP32 weights beside the QAT int8 model, on val.
 
-After ``edgeq train``, both are converted ``--int8-only`` (the PTQ one as ``edgeq convert
-fp32.keras --int8-only`` would) and kept, ``ptq_int8.tflite`` and ``qat_int8.tflite``; both
-are scored on the same val samples by the first output's task metric, against the labels
-(or, without labels, the FP32 model's answers). The difference QAT - PTQ comes with a paired
-bootstrap 95% interval over the samples, so a user sees whether the QAT epochs paid off or
-whether the difference is within noise.
+After ``edgeq train`` (``compare_run`` on its folder), both are converted ``--int8-only`` (the
+PTQ one as ``edgeq convert fp32.keras --int8-only`` would) and kept, ``ptq_int8.tflite`` and
+``qat_int8.tflite``; both are scored on the same val samples by the first output's task metric,
+against the labels (or, without labels, the FP32 model's answers). The difference QAT - PTQ
+comes with a paired bootstrap 95% interval over the samples, so a user sees whether the QAT
+epochs paid off or whether the difference is within noise. run.json records it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -49,6 +50,54 @@ def _convert(source: Path, out: Path) -> dict:
         log.warning("int8 comparison: %s did not convert (%s)", source.name, str(exc).splitlines()[0])
         return {"error": str(exc).splitlines()[0]}
     return {"path": out.name, "size_bytes": result.size_bytes, "verified_sqnr_db": result.verification.sqnr_db}
+
+
+def compare_run(out_dir: str | Path) -> dict | None:
+    """Compare PTQ and QAT int8 for the finished training run in ``out_dir`` and add the result to
+    its run.json (``int8_comparison``, the two files' hashes under ``artifacts``).
+
+    Returns:
+        The ``int8_comparison`` record, or None where there is nothing to compare: no QAT model,
+        a detector (judge each with ``edgeq eval``: mAP), or no val samples.
+    """
+    from edgeq.artifacts import sha256_file, write_json_atomic
+    from edgeq.data import load_dataset
+    from edgeq.model_io import keras_outputs, load_user_model, recorded_normalization
+    from edgeq.tasks import OutputSpec
+    from edgeq.train.distill import NO_LABELS
+
+    out_dir = Path(out_dir)
+    run = json.loads((out_dir / "run.json").read_text(encoding="utf-8"))
+    fp32, qat = out_dir / "fp32.keras", out_dir / "qat.h5"
+    if not (fp32.is_file() and qat.is_file()) or not run.get("outputs"):
+        return None
+    first = run["outputs"][0]
+    spec = OutputSpec(first["name"], first["task"], tuple(first["shape"]), first.get("threshold", 0.5), "recorded")
+    if spec.kind.startswith("detection"):
+        return None
+    shape = run["input_shape"]
+    shape = {k: tuple(v) for k, v in shape.items()} if isinstance(shape, dict) else tuple(shape)
+    dataset = load_dataset(
+        run["data"]["source"], shape, labels_required=False, normalization=recorded_normalization(fp32)
+    )
+    if dataset.count("val") == 0:
+        return None
+    x = dataset.split("val")[0]
+    if (run.get("distillation") or {}).get("reason") == NO_LABELS or not dataset.labelled:
+        targets = keras_outputs(load_user_model(fp32), x)[spec.name]  # no labels: the FP32 model's answers
+        if spec.kind == "classification" and np.ndim(targets) > 1 and np.shape(targets)[-1] > 1:
+            targets = np.argmax(np.reshape(targets, (len(targets), -1)), axis=1)
+    elif spec.kind == "reconstruction":
+        targets = dataset.targets("val")  # normal/anomalous labels, for the AUC
+    else:
+        targets = dataset.targets("val", spec.name if isinstance(dataset.y_val, dict) else None)
+    record = compare_int8(out_dir, fp32, qat, dataset, spec, targets)
+    run["int8_comparison"] = record
+    for key in ("ptq", "qat"):
+        if "path" in record[key]:
+            run.setdefault("artifacts", {})[record[key]["path"]] = sha256_file(out_dir / record[key]["path"])
+    write_json_atomic(out_dir / "run.json", run)
+    return record
 
 
 def compare_int8(out_dir: Path, fp32: Path, qat: Path, dataset, spec, targets, split: str = "val") -> dict:
@@ -113,7 +162,10 @@ def summary(record: dict) -> str:
         line += (
             f"; QAT - PTQ {record['qat_minus_ptq'] * scale:+.2f}{unit} (95% CI {low * scale:+.2f}..{high * scale:+.2f})"
         )
-        line += ": within noise" if record["within_noise"] else f": {record['better'].upper()} is better"
+        if record["within_noise"]:
+            line += ": within noise"
+        elif record.get("better"):
+            line += f": {record['better'].upper()} is better"
     elif record.get("better"):
         line += f": {record['better'].upper()}"
     return line
