@@ -28,7 +28,9 @@ def unlabelled(tmp_path_factory):
 def test_qat_learns_the_fp32_models_outputs_when_the_data_has_no_labels(digits_run, unlabelled, tmp_path, cli):
     npz, digits = unlabelled
     out = tmp_path / "run"
-    result = cli("train", digits_run.fp32_model, "--data", f"npz:{npz}", "--qat-epochs", "1", "--out", out)
+    result = cli(
+        "train", digits_run.fp32_model, "--data", f"npz:{npz}", "--qat-epochs", "1", "--out", out, "--compare-int8"
+    )
     assert result.exit_code == 0, result.output
     run = json.loads((out / "run.json").read_text())
     assert run["distillation"]["reason"] == "the data has no labels"
@@ -79,7 +81,7 @@ def test_distill_with_labels_gives_each_output_its_loss(tmp_path, cli):
     out = tmp_path / "run"
     result = cli(
         "train", tmp_path / "two.keras", "--data", f"npz:{tmp_path / 'd.npz'}", "--epochs", "0",
-        "--qat-epochs", "2", "--distill", "--out", out,
+        "--qat-epochs", "2", "--distill", "--out", out, "--compare-int8",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     run = json.loads((out / "run.json").read_text())

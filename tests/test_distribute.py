@@ -21,7 +21,7 @@ import pytest
 from edgeq.errors import UsageError
 from edgeq.train.distribute import cluster_config, setup
 
-SCHEDULE = ["--epochs", "4", "--qat-epochs", "1", "--batch-size", "32", "--seed", "0"]
+SCHEDULE = ["--epochs", "4", "--qat-epochs", "1", "--batch-size", "32", "--seed", "0", "--no-compare-int8"]
 OUTPUTS = {"fp32.keras", "qat.h5", "qat_float.keras", "history.json", "run.json"}
 HANG_GUARD_S = 900  # only to end a hung collective: a run takes about a minute
 
@@ -108,6 +108,7 @@ def _check_against_one_worker(run_dir, one_worker, replicas: int, workers: int):
     return record
 
 
+@pytest.mark.slow  # a minute of two TensorFlow processes; make test keeps mirrored 2-replica ranges and the cluster spec
 def test_two_worker_processes_train_what_one_does(tmp_path, one_worker):
     out = tmp_path / "two"
     ports = _free_ports(2)
@@ -135,7 +136,7 @@ def test_two_worker_processes_train_what_one_does(tmp_path, one_worker):
         assert "Traceback" not in stderr and "E0000" not in stderr
 
 
-@pytest.mark.slow  # the default suite checks mirrored 2-replica ranges below, and 1 vs 2 workers above
+@pytest.mark.slow  # the default suite checks mirrored 2-replica ranges below
 def test_two_logical_cpus_under_mirrored_train_what_one_does(tmp_path, one_worker):
     out = tmp_path / "mirrored"
     (rc, stdout, stderr) = _finish(

@@ -242,9 +242,14 @@ def test_regression_and_an_anomaly_autoencoder_train_qat_convert_and_eval(cli, t
         if recipe == "diabetes-regression"
         else ("--epochs", "6", "--qat-epochs", "1")
     )
-    trained = cli("train", recipe, "--data", data, "--out", out, *epochs)
+    compare = ("--compare-int8",) if recipe != "diabetes-regression" else ()
+    trained = cli("train", recipe, "--data", data, "--out", out, *epochs, *compare)
     assert trained.exit_code == 0, trained.output
     run = json.loads((out / "run.json").read_text())
+    if compare:  # PTQ vs QAT by the autoencoder's AUC on val, anomalies included
+        gain = run["int8_comparison"]
+        assert gain["metric"] == "auc" and all(0.6 < gain[k]["value"] <= 1.0 for k in ("ptq", "qat")), gain
+        assert "int8 on val (auc)" in trained.output
     task = "regression" if recipe == "diabetes-regression" else "reconstruction"
     assert [o["task"] for o in run["outputs"]] == [task]
     assert run["results"][0]["metric"] == ("rmse" if task == "regression" else "auc")

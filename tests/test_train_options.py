@@ -270,9 +270,10 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
         "--data",
         "digits",
         "--epochs",
-        "12",
+        "6",
         "--qat-epochs",
-        "2",
+        "1",
+        "--no-compare-int8",
         "--out",
         str(out),
     ]
@@ -318,7 +319,7 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
     assert not noise, noise  # TensorFlow's C++ log lines and Keras' Python warnings stay hidden without -v
     history = json.loads((out / "history.json").read_text())
     epochs = [e["epoch"] for e in history["stages"][0]["epochs"]]
-    assert epochs == list(range(1, 13))  # every epoch once: nothing lost, nothing repeated
+    assert epochs == list(range(1, 7))  # every epoch once: nothing lost, nothing repeated
     run = json.loads((out / "run.json").read_text())
     assert run["resumed_from"][0] == 0 and run["resumed_from"][1] >= saved["epochs_done"]
     assert run["results"][0]["test_accuracy"] >= 0.9  # it trained, across the interruption
@@ -435,7 +436,7 @@ def test_sigkill_at_random_moments_then_resume_finishes_losing_at_most_one_epoch
     # checkpointed, plus less than one more in flight (the delay is a fraction of an epoch's time).
     epochs, most = (64, 2) if kills == 20 else (10, 2)
     out, epoch_log = tmp_path / "run", tmp_path / "epochs.log"
-    cmd = [sys.executable, "-m", "edgeq", "train", "digits-cnn", "--data", "digits"]
+    cmd = [sys.executable, "-m", "edgeq", "train", "digits-cnn", "--data", "digits", "--no-compare-int8"]
     cmd += ["--epochs", str(epochs), "--qat-epochs", "2", "--out", str(out)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "EDGEQ_TEST_EPOCH_LOG": str(epoch_log)}
     state_file = out / "checkpoint" / "state.json"
@@ -537,7 +538,7 @@ def test_a_diverging_stage_stops_with_one_line_and_keeps_the_last_finite_checkpo
 def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(tmp_path):
     """Killed after epoch 1 and resumed, the run sees epoch 2's and 3's shuffles, not epoch 1's
     again: its weights equal the uninterrupted run's, bit for bit (op determinism, --seed)."""
-    cmd = [sys.executable, "-m", "edgeq", "train", "digits-cnn", "--data", "digits", "--seed", "5"]
+    cmd = [sys.executable, "-m", "edgeq", "train", "digits-cnn", "--data", "digits", "--seed", "5", "--no-compare-int8"]
     cmd += ["--epochs", "3", "--qat-epochs", "0", "--batch-size", "64"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     straight = subprocess.run(cmd + ["--out", str(tmp_path / "straight")], capture_output=True, text=True, env=env)
