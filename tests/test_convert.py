@@ -77,16 +77,16 @@ def test_mobilenetv2_ptq_int8_only_with_synthetic_calibration(tmp_path):
     from edgeq import zoo
 
     path = tmp_path / "mnv2.keras"
-    zoo.build("mobilenetv2", (96, 96, 3), 10, alpha=0.35).save(path)
+    zoo.build("mobilenetv2", (64, 64, 3), 10, alpha=0.35).save(path)
     r = convert(
         path,
         tmp_path / "mnv2_int8.tflite",
-        ConvertOptions(mode="int8-only", calib="synthetic:96x96x3:10", calib_samples=32),
+        ConvertOptions(mode="int8-only", calib="synthetic:64x64x3:10", calib_samples=32),
     )
     assert r.verification.passed and r.verification.integer_only
     assert r.ops.get("CONV_2D", 0) > 30 and r.ops.get("DEPTHWISE_CONV_2D", 0) > 10
     manifest = json.loads(r.manifest.read_text())
-    assert manifest["options"]["calib"] == "synthetic:96x96x3:10"
+    assert manifest["options"]["calib"] == "synthetic:64x64x3:10"
 
 
 def _float_op_model(path):

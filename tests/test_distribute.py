@@ -108,7 +108,7 @@ def _check_against_one_worker(run_dir, one_worker, replicas: int, workers: int):
     return record
 
 
-@pytest.mark.slow  # a minute of two TensorFlow processes; make test keeps mirrored 2-replica ranges and the cluster spec
+@pytest.mark.slow  # a minute of two TensorFlow processes; make test keeps 2-replica ranges and the cluster spec
 def test_two_worker_processes_train_what_one_does(tmp_path, one_worker):
     out = tmp_path / "two"
     ports = _free_ports(2)
