@@ -158,10 +158,9 @@ def summary(record: dict) -> str:
     line = f"int8 on {record['split']} ({metric}): " + ", ".join(parts)
     if "qat_minus_ptq" in record:
         low, high = record["interval95"]
-        scale, unit = (100.0, " pp") if percent else (1.0, "")
-        line += (
-            f"; QAT - PTQ {record['qat_minus_ptq'] * scale:+.2f}{unit} (95% CI {low * scale:+.2f}..{high * scale:+.2f})"
-        )
+        scale, unit, form = (100.0, " pp", "+.2f") if percent else (1.0, "", "+.3g")
+        diff = record["qat_minus_ptq"] * scale
+        line += f"; QAT - PTQ {diff:{form}}{unit} (95% CI {low * scale:{form}}..{high * scale:{form}})"
         if record["within_noise"]:
             line += ": within noise"
         elif record.get("better"):
