@@ -320,6 +320,14 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
     history = json.loads((out / "history.json").read_text())
     epochs = [e["epoch"] for e in history["stages"][0]["epochs"]]
     assert epochs == list(range(1, 7))  # every epoch once: nothing lost, nothing repeated
+    # ... and the resumed run trained what the uninterrupted one trains: epoch 4 on saw its own
+    # shuffles, not epoch 1's again (op determinism, the same seed), bit for bit
+    straight = subprocess.run([*cmd[:-1], str(tmp_path / "straight")], capture_output=True, text=True, env=env)
+    assert straight.returncode == 0, straight.stderr
+    a = keras.models.load_model(tmp_path / "straight" / "fp32.keras").get_weights()
+    b = keras.models.load_model(out / "fp32.keras").get_weights()
+    for wa, wb in zip(a, b):
+        np.testing.assert_array_equal(wa, wb)
     run = json.loads((out / "run.json").read_text())
     assert run["resumed_from"][0] == 0 and run["resumed_from"][1] >= saved["epochs_done"]
     assert run["results"][0]["test_accuracy"] >= 0.9  # it trained, across the interruption
@@ -535,6 +543,7 @@ def test_a_diverging_stage_stops_with_one_line_and_keeps_the_last_finite_checkpo
     assert not (out / "fp32.keras").exists() and not (out / "run.json").exists()
 
 
+@pytest.mark.slow  # make test checks the same bit-equality after the Ctrl-C test's resume
 def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(tmp_path):
     """Killed after epoch 1 and resumed, the run sees epoch 2's and 3's shuffles, not epoch 1's
     again: its weights equal the uninterrupted run's, bit for bit (op determinism, --seed)."""
