@@ -59,7 +59,7 @@ def digits_int8(digits_run):
 
 @pytest.fixture(scope="session")
 def detector(tmp_path_factory):
-    """The zoo detector, briefly trained (FP32 then QAT) on 400 built-in images at 64x64, converted
+    """The zoo detector, briefly trained (FP32 then QAT) on 300 built-in images at 64x64, converted
     integer-only from QAT; the test split exported for the device."""
     from click.testing import CliRunner
 
@@ -73,8 +73,8 @@ def detector(tmp_path_factory):
         assert result.exit_code == 0, result.output
         return result
 
-    data = "shapes:64:400"
-    run("train", "shapes-detector", "--data", data, "--epochs", "3", "--qat-epochs", "1", "--out", folder / "run")
+    data = "shapes:64:300"
+    run("train", "shapes-detector", "--data", data, "--epochs", "2", "--qat-epochs", "1", "--out", folder / "run")
     run("convert", folder / "run" / "qat.h5", "--int8-only", "--out", folder / "det_int8.tflite")
     run("data", "export", data, "--split", "test", "--out", folder / "test.npz")
     return folder, data

@@ -166,7 +166,7 @@ def test_the_zoo_detector_trains_converts_integer_only_and_is_judged_by_map(cli,
                  "--json", tmp_path / "e.json")  # fmt: skip
     assert result.exit_code == 0, result.output
     found = json.loads((tmp_path / "e.json").read_text())["detection"]
-    assert found["images"] == 80 and found["objects"] > 80 and 0 <= found["map"] <= found["map50"] <= 1
+    assert found["images"] == 60 and found["objects"] > 60 and 0 <= found["map"] <= found["map50"] <= 1
     assert found["drop"] == pytest.approx((found["reference_map50"] - found["map50"]) * 100, abs=1e-3)
     assert "detection mAP@0.5" in result.stdout
     # a budget the model cannot meet fails in mAP points, naming them

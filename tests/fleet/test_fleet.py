@@ -177,7 +177,8 @@ def test_a_detectors_map_on_the_emulated_pi_equals_the_hosts(cli, fleet, detecto
     assert on_device["scored_by"].startswith("pycocotools on the host")
     assert cli("profile", model, "--data", data, "--runs", "1", "--json", tmp_path / "host.json").exit_code == 0
     on_host = json.loads((tmp_path / "host.json").read_text())["model"]["accuracy"]["detection"]
-    assert on_device["images"] == on_host["images"] == 80 and on_device["detections"] == on_host["detections"]
+    assert on_device["images"] == on_host["images"] == 60 and on_device["detections"] == on_host["detections"]
+    assert on_device["detections"] > 0 and on_device["map50"] > 0  # a detector that finds something: not 0 == 0
     assert (on_device["map50"], on_device["map"]) == (on_host["map50"], on_host["map"])
 
 
