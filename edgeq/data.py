@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeq.detection import GROUND_TRUTH
 from edgeq.errors import DataError
 from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, class_labels, holds_class_ids, read_npz, samples
 
@@ -529,7 +530,6 @@ def load_machine_sound(spec: str = "machine-sound") -> Dataset:
 
 _SHAPES = re.compile(r"^shapes(?::(\d+))?(?::(\d+))?$")
 SHAPE_CLASSES = ("circle", "square", "triangle")
-GROUND_TRUTH = ("gt_boxes", "gt_classes")  # a detector's: normalised corners (N, M, 4), classes (N, M), -1 unused
 MAX_OBJECTS = 8  # ground-truth rows per image (gt_classes -1 where unused)
 
 

@@ -22,6 +22,9 @@ import numpy as np
 
 from edgeq.errors import DataError, MissingExtraError
 
+# A detector's ground truth in data files: normalised corners (N, M, 4) and classes (N, M), -1 unused.
+GROUND_TRUTH = ("gt_boxes", "gt_classes")
+
 LAYOUTS = ("centre", "plain")
 SCORE_THRESHOLD = 0.05  # detections below this are not kept (COCO evaluation takes the top 100 per image)
 IOU_THRESHOLD = 0.5

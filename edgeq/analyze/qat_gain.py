@@ -62,6 +62,7 @@ def compare_run(out_dir: str | Path) -> dict | None:
     """
     from edgeq.artifacts import sha256_file, write_json_atomic
     from edgeq.data import load_dataset
+    from edgeq.metrics import predicted_classes
     from edgeq.model_io import keras_outputs, load_user_model, recorded_normalization
     from edgeq.tasks import OutputSpec
     from edgeq.train.distill import NO_LABELS
@@ -85,8 +86,8 @@ def compare_run(out_dir: str | Path) -> dict | None:
     x = dataset.split("val")[0]
     if (run.get("distillation") or {}).get("reason") == NO_LABELS or not dataset.labelled:
         targets = keras_outputs(load_user_model(fp32), x)[spec.name]  # no labels: the FP32 model's answers
-        if spec.kind == "classification" and np.ndim(targets) > 1 and np.shape(targets)[-1] > 1:
-            targets = np.argmax(np.reshape(targets, (len(targets), -1)), axis=1)
+        if spec.kind == "classification":
+            targets = predicted_classes(targets)
     elif spec.kind == "reconstruction":
         targets = dataset.targets("val")  # normal/anomalous labels, for the AUC
     else:
@@ -111,7 +112,7 @@ def compare_int8(out_dir: Path, fp32: Path, qat: Path, dataset, spec, targets, s
     models = {"ptq": _convert(fp32, out_dir / PTQ_NAME), "qat": _convert(qat, out_dir / QAT_INT8_NAME)}
     record.update(models)
     x = dataset.split(split)[0]
-    n = len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
+    n = dataset.count(split)
     if n == 0 or targets is None or not record["metric"]:
         record["better"] = None
         return record

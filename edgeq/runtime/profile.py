@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from edgeq import __version__
-from edgeq.artifacts import sha256_bytes
+from edgeq.artifacts import atomic_path, sha256_bytes
+from edgeq.detection import GROUND_TRUTH
 from edgeq.errors import DataError, MissingExtraError, ModelLoadError, UsageError
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
@@ -414,7 +415,7 @@ def load_npz(
             raise DataError(f"{path}: the input arrays hold different numbers of samples ({sorted(counts)})")
         count = counts.pop()
     named = {k[2:]: v for k, v in arrays.items() if k.startswith("y_")}
-    truth = {k: arrays[k] for k in ("gt_boxes", "gt_classes") if k in arrays}  # a detector's ground truth
+    truth = {k: arrays[k] for k in GROUND_TRUTH if k in arrays}  # a detector's ground truth
     key = labels if labels is not None else ("y" if "y" in arrays else ("y_*" if named or truth else None))
     y = None
     if key == "y_*":
@@ -674,12 +675,9 @@ def write_detections(profile: ModelProfile, path: str | Path) -> Path | None:
         "classes": np.asarray([r[3] for r in rows], np.int64),
         "images": np.asarray(len(profile.detections)),
     }
-    path = Path(path)
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as fh:
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         np.savez(fh, **arrays)
-    os.replace(tmp, path)
-    return path
+    return Path(path)
 
 
 def read_detections(path: str | Path) -> list:

@@ -72,8 +72,7 @@ def teacher_dataset(teacher, dataset, names: list[str], batch_size: int = 256):
     updates = {}
     for split in SPLITS:
         x = getattr(dataset, f"x_{split}")
-        n = len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
-        if n == 0:
+        if dataset.count(split) == 0:
             updates[f"y_{split}"] = {name: np.zeros((0,), np.float32) for name in names}
             continue
         outputs = keras_outputs_in_order(teacher, x, batch_size)

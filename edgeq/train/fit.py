@@ -32,6 +32,7 @@ from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_ato
 from edgeq.compat import keras, tf
 from edgeq.data import load_dataset, normal_samples_for_training
 from edgeq.errors import DataError, TrainingDiverged, TrainingInterrupted, UsageError
+from edgeq.metrics import predicted_classes
 from edgeq.model_io import (
     FP32_NAME,
     QAT_FLOAT_NAME,
@@ -523,7 +524,7 @@ def _stage_metric(
     outputs = keras_outputs_in_order(model, x, batch_size)
     targets = x if plan[0] == "input" else dataset.targets(split, plan[0])
     if first.kind == "classification" and targets is not None and np.ndim(targets) > 1 and np.shape(targets)[-1] > 1:
-        targets = np.argmax(np.reshape(targets, (len(targets), -1)), axis=1)  # a teacher's scores: its classes
+        targets = predicted_classes(targets)  # a teacher's scores: its classes
     if first.kind == "reconstruction":
         targets = dataset.targets(split) if dataset.labelled else None
     scores = score(first, outputs[0], targets, x if not isinstance(x, dict) else None)
