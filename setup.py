@@ -59,8 +59,8 @@ setup(
             "scikit-learn>=1.3",
             "pillow>=9",
             "matplotlib>=3.7",
-            # INT4 post-training quantization (weight-only / dynamic, per-channel / blockwise).
-            "ai-edge-quantizer==0.10.0",
+            # LiteRT Quantizer: INT4 PTQ (weight-only / dynamic) and mixed int8/int16 integer-only PTQ.
+            "litert-quantizer==0.11.0",  # was ai-edge-quantizer (renamed): INT4 and mixed int8/int16
             "tqdm>=4.60",
             # COCO mAP for detectors (eval, train, analyze, and the host side of profile --on)
             "pycocotools>=2.0.8",

@@ -51,7 +51,7 @@ class ModeSpec:
     integer_only: bool  # refuse any float op or tensor on the inference path
     integer_io: bool  # int8 (or uint8) input and output tensors
     min_sqnr_db: float  # verification: output SQNR vs the source model must reach this
-    backend: str = "tflite"  # "tflite": TFLiteConverter; "aeq": AI Edge Quantizer on the FP32 .tflite
+    backend: str = "tflite"  # "tflite": TFLiteConverter; "aeq": LiteRT Quantizer on the FP32 .tflite
 
 
 # The one table: CLI flags, validation, file names and verification all read it.
@@ -76,7 +76,7 @@ MODES: dict[Mode, ModeSpec] = {
     Mode.INT16X8: ModeSpec(Mode.INT16X8, "16-bit activations, 8-bit weights", "int16x8", True, False, False, 15.0),
     Mode.INT4_WEIGHTS: ModeSpec(
         Mode.INT4_WEIGHTS,
-        "INT4 weight-only (AI Edge Quantizer), float compute",
+        "INT4 weight-only (LiteRT Quantizer), float compute",
         "int4w",
         False,
         False,
@@ -86,7 +86,7 @@ MODES: dict[Mode, ModeSpec] = {
     ),
     Mode.INT4_DYNAMIC: ModeSpec(
         Mode.INT4_DYNAMIC,
-        "INT4 weights, dynamic-range activations (AI Edge Quantizer)",
+        "INT4 weights, dynamic-range activations (LiteRT Quantizer)",
         "int4dyn",
         False,
         False,
@@ -96,7 +96,7 @@ MODES: dict[Mode, ModeSpec] = {
     ),
 }
 
-# --int4-granularity: AI Edge Quantizer's weight granularities.
+# --int4-granularity: LiteRT Quantizer's weight granularities.
 INT4_GRANULARITIES = {
     "channel": "CHANNELWISE",
     "block32": "BLOCKWISE_32",
@@ -353,8 +353,11 @@ class ConvertOptions:
                 f"{self.weight_ranges} --rounding {self.rounding} deploys other weights: drop --bias-correct "
                 "(AdaRound already corrects the layer outputs) or use --weight-ranges minmax --rounding nearest"
             )
-        if self.plan and spec.mode != Mode.INT8:
-            raise UsageError("--plan keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
+        if self.plan and spec.mode not in (Mode.INT8, Mode.INT8_ONLY):
+            raise UsageError(
+                "--plan converts with --int8 (layers kept float: float I/O, float fallback) or, for a plan of "
+                "16-bit layers (analyze plan --fallback int16), --int8-only"
+            )
 
     @property
     def spec(self) -> ModeSpec:
@@ -413,6 +416,8 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     if out.suffix != ".tflite":
         raise UsageError(f"{out}: the output must end in .tflite")
 
+    if plan:
+        _check_wide_plan(keras_model, plan, options)
     dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
     hint = _input_rescaling_hint(keras_model, dataset, calib_samples) if dataset is not None and single_io else None
     if hint:
@@ -562,6 +567,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         "calibration_samples": _calibration_record(dataset, calib_samples) if spec.calibrate else None,
         "ptq": ptq_record,
         "ops": op_counts,
+        # ops by what they compute in (QUANTIZE ops counted by their output): int8, int16 (16x8), float
+        "precision": _precision_counts(flatbuffer),
+        "wide_layers": _plan_wide_layers(keras_model, plan) if plan else [],
         "verification": asdict(verification),
         "convert_seconds": round(seconds, 3),
         "notes": notes,
@@ -584,6 +592,13 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         notes=tuple(notes),
         edgetpu=manifest.get("edgetpu"),
     )
+
+
+def _precision_counts(flatbuffer: bytes) -> dict[str, int]:
+    from edgeq.runtime.flatbuffer import op_precision, verify_tflite
+
+    desc = verify_tflite(flatbuffer, "the converted model")
+    return dict(Counter(op_precision(desc, op) for op in desc.main.operators))
 
 
 def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, is_qat) -> tuple[bytes, int]:
@@ -779,13 +794,13 @@ def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str])
 
 
 def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes: list[str]) -> bytes:
-    """FP32 TFLite, then AI Edge Quantizer's INT4 recipe on it (weight-only or dynamic)."""
+    """FP32 TFLite, then LiteRT Quantizer's INT4 recipe on it (weight-only or dynamic)."""
     from edgeq.shims.tflite import keras_converter, native_output_silenced
 
     try:
-        from ai_edge_quantizer import qtyping, quantizer
+        from litert_quantizer import qtyping, quantizer
     except ImportError as exc:
-        raise UsageError(f'--{spec.mode.value} needs AI Edge Quantizer: pip install "edgeq[train]"') from exc
+        raise UsageError(f'--{spec.mode.value} needs LiteRT Quantizer: pip install "edgeq[train]"') from exc
     with native_output_silenced():
         float_model = keras_converter(keras_model).convert()
     qt = quantizer.Quantizer(float_model)
@@ -800,15 +815,15 @@ def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes:
     quantized = bytes(result.quantized_model)
     from edgeq.runtime.flatbuffer import bytes_by_dtype, verify_tflite
 
-    by_dtype = bytes_by_dtype(verify_tflite(quantized, "AI Edge Quantizer output"))
+    by_dtype = bytes_by_dtype(verify_tflite(quantized, "LiteRT Quantizer output"))
     int4, float32 = by_dtype.get("int4", 0), by_dtype.get("float32", 0)
     notes.append(
-        f"AI Edge Quantizer {spec.mode.value} ({int4_granularity}): {len(float_model)} -> {len(quantized)} bytes; "
+        f"LiteRT Quantizer {spec.mode.value} ({int4_granularity}): {len(float_model)} -> {len(quantized)} bytes; "
         f"{int4} bytes of INT4 weights, {float32} bytes still float32"
     )
     if int4 == 0 or float32 > 4 * int4:
         notes.append(
-            f"most weights stayed float: AI Edge Quantizer applies {int4_granularity} INT4 to only some ops "
+            f"most weights stayed float: LiteRT Quantizer applies {int4_granularity} INT4 to only some ops "
             "(blockwise: FULLY_CONNECTED); use --int4-granularity channel for convolutions"
         )
     return quantized
@@ -839,11 +854,61 @@ def _plan_ranges(plan, ptq: str) -> str:
     return recorded if recorded in ACTIVATION_METHODS else "minmax"
 
 
+def _plan_wide_layers(keras_model, plan) -> list[str]:
+    return [n for n, p in _plan_resolved(keras_model, plan).items() if not p.keep_float and p.activation_bits == 16]
+
+
+def _check_wide_plan(keras_model, plan, options: ConvertOptions) -> list[str]:
+    """The plan's 16-bit layers, refused where the mixed model cannot be what was asked for."""
+    wide = _plan_wide_layers(keras_model, plan)
+    if not wide:
+        if options.mode != Mode.INT8:
+            raise UsageError(f"{plan} keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
+        return wide
+    resolved = _plan_resolved(keras_model, plan)
+    moved = [n for n, p in resolved.items() if p.keep_float or p.weight_bits != 8]
+    if options.mode != Mode.INT8_ONLY:
+        raise UsageError(f"{plan} puts {len(wide)} layer(s) at 16-bit activations: convert it with --int8-only")
+    if options.edgetpu:
+        raise UsageError(
+            f"{plan} puts {', '.join(wide[:3])}{' ...' if len(wide) > 3 else ''} at 16-bit activations, which the "
+            "Edge TPU cannot map (it runs int8 only): plan with --fallback float, or QAT (edgeq train)"
+        )
+    if options.io_type != "int8" or options.granularity != "per-channel" or options.equalize or options.bias_correct:
+        raise UsageError(
+            f"{plan}: a mixed int8/int16 model is LiteRT Quantizer's per-channel, int8-I/O model: drop --io-type, "
+            "--granularity, --equalize and --bias-correct"
+        )
+    if moved:
+        raise UsageError(f"{plan}: 16-bit layers cannot be mixed with float or INT4 layers ({', '.join(moved[:3])})")
+    return wide
+
+
+def _convert_mixed(keras_model, plan, wide: list[str], dataset, samples, notes) -> bytes:
+    """Integer-only: the plan's layers at 16-bit activations (16x8), every other one int8."""
+    from edgeq.quantize.mixed import calibrate_mixed, wide_layers
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    cal = calibrate_mixed(keras_model, dataset.calibration_samples(samples))
+    flatbuffer = cal.quantize(wide)
+    got = wide_layers(flatbuffer, cal.layer_names)
+    ops = sum(len(v) for v in got.values())
+    total = len(verify_tflite(flatbuffer, "the mixed model").main.operators)
+    notes.append(
+        f"plan {plan}: {len(got)} layer(s) at 16-bit activations ({', '.join(got) or 'none'}; {ops} of {total} ops, "
+        "QUANTIZE ops between int8 and int16), every other one int8, by LiteRT Quantizer"
+    )
+    return flatbuffer
+
+
 def _convert_with_plan(keras_model, plan, dataset, samples, granularity, ranges, notes) -> bytes:
     """Full integer except the layers the plan keeps float (denylisted at quantization)."""
     from edgeq.calibration import calibrate
 
     resolved = _plan_resolved(keras_model, plan)
+    wide = _plan_wide_layers(keras_model, plan)
+    if wide:
+        return _convert_mixed(keras_model, plan, wide, dataset, samples, notes)
     float_layers = [name for name, p in resolved.items() if p.keep_float]
     int4_layers = [name for name, p in resolved.items() if not p.keep_float and p.weight_bits == 4]
     if int4_layers:

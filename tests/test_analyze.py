@@ -381,3 +381,46 @@ def test_analyze_reads_raw_data_in_the_units_the_model_was_trained_in(digits_run
     np.savez(tmp_path / "raw.npz", x=bunch.images.astype(np.uint8), y=bunch.target)
     _, raw = load_fp32_with_data(digits_run.fp32_model, f"npz:{tmp_path / 'raw.npz'}", "analyze")
     np.testing.assert_allclose(raw.x_test, load_dataset("digits").x_test, rtol=0, atol=1e-7)
+
+
+def test_int16_plan_builds_an_integer_only_model_with_exactly_those_layers_at_16_bit(cli, outlier_model, tmp_path):
+    """The outlier layer's x1000 channel crushes int8; 16-bit activations there recover it, and the
+    model stays integer-only (int8 I/O, no float op), so it still runs on an integer-only CPU path."""
+    from edgeq.quantize.mixed import wide_layers
+    from edgeq.runtime.flatbuffer import is_integer_only, op_precision, read_tflite
+
+    plan = tmp_path / "plan16.json"
+    result = cli(
+        "analyze", "plan", outlier_model, "--data", "digits", "--max-drop", "2", "--fallback", "int16",
+        "--out", plan, "--calib-samples", "100",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    saved = json.loads(plan.read_text())
+    assert saved["met"] and saved["fallback"] == "int16" and saved["int8_accuracy"] < saved["fp32_accuracy"] - 0.3
+    wide = {name for name, v in saved["layers"].items() if v == {"activation_bits": 16}}
+    assert wide and wide == set(saved["layers"]) and wide < set(saved["ranking"]), saved["frontier"]
+    assert "conv1" in wide, saved["frontier"]  # the outlier's own output needs the 16 bits
+    out = tmp_path / "mixed.tflite"
+    converted = cli("convert", outlier_model, "--int8-only", "--plan", plan, "--calib", "digits", "--out", out)
+    assert converted.exit_code == 0, converted.output
+    desc = read_tflite(out)
+    assert is_integer_only(desc) and desc.main.tensors[desc.main.inputs[0]].dtype == "int8"
+    assert set(wide_layers(out.read_bytes(), ["conv1", "conv2", "pool", "conv3", "gap", "head"])) == wide
+    precisions = {op_precision(desc, op) for op in desc.main.operators}
+    assert precisions == {"int8", "int16"}
+    manifest = json.loads((tmp_path / "mixed.manifest.json").read_text())
+    assert set(manifest["wide_layers"]) == wide and manifest["precision"].get("int16", 0) >= len(wide)
+    ev = evaluate(out, outlier_model, "digits")  # LiteRT runs it: within the budget on the test split too
+    assert ev.model_dtype == "int8" and ev.drop_pp <= 2.0, ev
+    shown = cli("inspect", out)
+    assert shown.exit_code == 0 and "int16 " in shown.output and "16-bit activations (16x8)" in shown.output
+    refused = cli(
+        "convert", outlier_model, "--int8-only", "--edgetpu", "--plan", plan, "--calib", "digits",
+        "--out", tmp_path / "tpu.tflite",
+    )  # fmt: skip
+    assert_one_line_error(refused, "16-bit activations", "Edge TPU")
+    assert_one_line_error(
+        cli("convert", outlier_model, "--int8", "--plan", plan, "--calib", "digits", "--out", tmp_path / "f.tflite"),
+        "--int8-only",
+    )
+    assert not list(tmp_path.glob("tpu*")) and not list(tmp_path.glob("f.*"))

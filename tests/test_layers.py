@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.zoo",),
     ("edgeq.transforms",),
     ("edgeq.train",),
-    ("edgeq.calibration", "edgeq.tflite_passes", "edgeq.ptq"),
+    ("edgeq.calibration", "edgeq.tflite_passes", "edgeq.ptq", "edgeq.quantize"),
     ("edgeq.evaluate",),
     ("edgeq.convert",),
     ("edgeq.analyze",),
@@ -55,7 +55,7 @@ DEVICE_SIDE_EXTRA = (
     "edgeq.fleet.device",
     "edgeq.fleet._probe",
 )
-HEAVY = ("tensorflow", "tf_keras", "keras", "tensorflow_model_optimization", "ai_edge_quantizer")
+HEAVY = ("tensorflow", "tf_keras", "keras", "tensorflow_model_optimization", "ai_edge_quantizer", "litert_quantizer")
 
 
 def module_name(path: Path) -> str:

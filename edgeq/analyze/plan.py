@@ -1,10 +1,17 @@
-"""Accuracy-budgeted layer-wise precision: full INT8, then the most sensitive layers float.
+"""Accuracy-budgeted layer-wise precision: full INT8, then the most sensitive layers float
+or (``fallback="int16"``) at 16-bit activations.
 
 Layers are ranked by exact sensitivity (accuracy regained by keeping each one float),
 then kept float one by one in that order until the accuracy drop against FP32 is within
 the budget. Every plan tried is a point of the size/accuracy frontier. The plan file is
 a layer-config ({"layers": {name: "float"}}): `edgeq convert --plan` and
 `edgeq train --layer-config` both read it.
+
+With the int16 fallback the model stays integer-only: each plan is a LiteRT Quantizer
+model (edgeq.quantize.mixed) with the chosen layers at 16x8 and the rest int8, and the
+layers are ranked by what each one alone at 16-bit buys back, then by how much of the
+output error it removes per activation value it widens (the cost of 16 bits: memory
+traffic and the slower 16x8 kernels). The plan names them {"activation_bits": 16}.
 """
 
 from __future__ import annotations
@@ -13,11 +20,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from edgeq.analyze.sensitivity import exact_sensitivity, load_fp32_with_data, quality_of
 from edgeq.artifacts import write_json_atomic
 from edgeq.calibration import calibrate, predict
 from edgeq.errors import UsageError
 from edgeq.transforms.int4 import int4_weight_copy
+
+FALLBACKS = ("float", "int16")  # what a layer that int8 hurts becomes
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,12 @@ class PlanPoint:
     drop_pp: float
     size_bytes: int  # with INT4 layers: the INT8 file minus half of their weight bytes (two per byte)
     int4_layers: tuple[str, ...] = ()
+    wide_layers: tuple[str, ...] = ()  # at 16-bit activations (fallback int16)
+
+    @property
+    def changed(self) -> tuple[str, ...]:
+        """The layers moved off int8 to meet the budget."""
+        return self.float_layers + self.wide_layers
 
 
 @dataclass(frozen=True)
@@ -41,10 +58,51 @@ class PlanResult:
     ranking: tuple[str, ...]  # most sensitive first; empty when full INT8 met the budget (and no --int4)
     data: str
     seconds: float
+    fallback: str = "float"  # what a sensitive layer becomes: float | int16
 
 
 def _weight_count(model, layers) -> int:
     return sum(int(model.get_layer(name).get_weights()[0].size) for name in layers)
+
+
+def _greedy(ranking: list[str], measure, max_drop_pp: float, frontier: list[PlanPoint]) -> None:
+    """Move layers off int8 in ranking order until the budget holds, then give back what it does not need.
+
+    Each layer's own gain misses interactions (two layers that are only good float together
+    each gain nothing alone), so the greedy pass may move layers the budget does not need:
+    give back, last moved first, every one whose return to int8 still meets it.
+    """
+    chosen: list[str] = []
+    for layer in ranking:
+        if frontier[-1].drop_pp <= max_drop_pp:
+            break
+        chosen.append(layer)
+        frontier.append(measure(chosen))
+    if len(chosen) > 1 and frontier[-1].drop_pp <= max_drop_pp:
+        for layer in reversed(chosen[:-1]):
+            trial = [name for name in chosen if name != layer]
+            point = measure(trial)
+            frontier.append(point)
+            if point.drop_pp <= max_drop_pp:
+                chosen = trial
+
+
+def _wide_ranking(model, mixed, x, quality, int8_accuracy: float, reference, progress=None) -> list[str]:
+    """Layers by what 16-bit activations on that layer alone buy back, then by output error removed per
+    activation value widened."""
+    int8_out = predict(mixed.quantize(), x)
+    int8_mse = float(np.mean((int8_out - reference) ** 2))
+    rows = []
+    for layer in mixed.layers:
+        out = predict(mixed.quantize([layer]), x)
+        gain = quality.points(quality.value(out), int8_accuracy)
+        removed = int8_mse - float(np.mean((out - reference) ** 2))
+        cost = max(1, int(np.prod([d for d in model.get_layer(layer).output.shape[1:] if d])))
+        rows.append((layer, round(gain, 4), removed / cost))
+        if progress is not None:
+            progress(layer)
+    rows.sort(key=lambda r: (-r[1], -r[2]))
+    return [r[0] for r in rows]
 
 
 def make_plan(
@@ -59,76 +117,65 @@ def make_plan(
     int4: bool = False,
     ranges: str = "minmax",
     task_spec: str | None = None,
+    fallback: str = "float",
 ) -> PlanResult:
     start = time.perf_counter()
+    if fallback not in FALLBACKS:
+        raise UsageError(f"--fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+    if fallback == "int16" and (int4 or per_tensor or ranges != "minmax"):
+        raise UsageError(
+            "--fallback int16 plans LiteRT Quantizer's per-channel min/max models: drop --int4, "
+            "--granularity per-tensor and --ranges"
+        )
     model, dataset = load_fp32_with_data(model_path, data, "plan from")
     x, _ = dataset.split(split)
     if len(x) == 0:
         raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")
-    cal = calibrate(model, dataset, samples, per_tensor, ranges)
-    if not cal.nodes:
-        raise UsageError(f"{model_path}: the converter quantized no layer: there is nothing to plan")
     quality = quality_of(model, model_path, dataset, split, task_spec)
-    fp32_acc = quality.value(predict(cal.float_model, x))
+    if fallback == "int16":
+        from edgeq.quantize.mixed import calibrate_mixed
 
-    def measure(float_layers: list[str]) -> PlanPoint:
-        model_bytes = cal.quantize(cal.nodes_of_layers(float_layers))
-        acc = quality.value(predict(model_bytes, x))
-        return PlanPoint(tuple(float_layers), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes))
+        cal = calibrate_mixed(model, dataset.calibration_samples(samples))
+        reference = predict(cal.float_model, x)
+        fp32_acc = quality.value(reference)
+
+        def measure(wide: list[str]) -> PlanPoint:
+            model_bytes = cal.quantize(wide)
+            acc = quality.value(predict(model_bytes, x))
+            return PlanPoint((), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes), (), tuple(wide))
+
+    else:
+        cal = calibrate(model, dataset, samples, per_tensor, ranges)
+        if not cal.nodes:
+            raise UsageError(f"{model_path}: the converter quantized no layer: there is nothing to plan")
+        fp32_acc = quality.value(predict(cal.float_model, x))
+
+        def measure(float_layers: list[str]) -> PlanPoint:
+            model_bytes = cal.quantize(cal.nodes_of_layers(float_layers))
+            acc = quality.value(predict(model_bytes, x))
+            return PlanPoint(tuple(float_layers), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes))
 
     frontier = [measure([])]
     int8_acc = frontier[0].accuracy
     # The per-layer ranking costs two quantizations and two passes per layer (a trained
     # EfficientNetB0's plan took 7.5 minutes with it, 40 s without); it is only needed when
     # full INT8 misses the budget, or to order the layers that --int4 tries.
-    ranked = []
-    if frontier[0].drop_pp > max_drop_pp or int4:
+    ranked, ranking = [], []
+    if fallback == "int16":
+        if frontier[0].drop_pp > max_drop_pp:
+            ranking = _wide_ranking(model, cal, x, quality, int8_acc, reference, progress)
+    elif frontier[0].drop_pp > max_drop_pp or int4:
         _, _, ranked = exact_sensitivity(cal, x, quality, progress)
-    # Keep float first the layers whose float-ness buys back the most accuracy.
-    ranked.sort(key=lambda r: (-r.gain_pp, -r.loss_pp, -r.mse_only_this))
-    ranking = [r.layer for r in ranked]
-    chosen: list[str] = []
-    for layer in ranking:
-        if frontier[-1].drop_pp <= max_drop_pp:
-            break
-        chosen.append(layer)
-        frontier.append(measure(chosen))
-    if len(chosen) > 1 and frontier[-1].drop_pp <= max_drop_pp:
-        # Each layer's own gain misses interactions (two layers that are only good float together
-        # each gain nothing alone), so the greedy pass may keep layers float that the budget does
-        # not need: give back, last kept first, every one whose return to int8 still meets it.
-        for layer in reversed(chosen[:-1]):
-            trial = [name for name in chosen if name != layer]
-            point = measure(trial)
-            frontier.append(point)
-            if point.drop_pp <= max_drop_pp:
-                chosen = trial
-    meeting = sorted((p for p in frontier if p.drop_pp <= max_drop_pp), key=lambda p: (len(p.float_layers), p.drop_pp))
-    best = meeting[0] if meeting else max(frontier, key=lambda p: (p.accuracy, -len(p.float_layers)))
+        # Keep float first the layers whose float-ness buys back the most accuracy.
+        ranked.sort(key=lambda r: (-r.gain_pp, -r.loss_pp, -r.mse_only_this))
+        ranking = [r.layer for r in ranked]
+    _greedy(ranking, measure, max_drop_pp, frontier)
+    meeting = sorted((p for p in frontier if p.drop_pp <= max_drop_pp), key=lambda p: (len(p.changed), p.drop_pp))
+    best = meeting[0] if meeting else max(frontier, key=lambda p: (p.accuracy, -len(p.changed)))
     if int4 and meeting:
-        # INT4 weights wherever the budget still holds, least sensitive layers first.
-        weighted = {la.name for la in model.layers if type(la).__name__ in ("Conv2D", "DepthwiseConv2D", "Dense")}
-        candidates = sorted(
-            (r for r in ranked if r.layer in weighted and r.layer not in best.float_layers),
-            key=lambda r: (r.loss_pp, r.mse_only_this),
+        best = _int4_layers(
+            model, dataset, samples, per_tensor, ranges, ranked, best, x, quality, fp32_acc, frontier, max_drop_pp
         )
-        accepted: list[str] = []
-        for candidate in candidates:
-            trial = [*accepted, candidate.layer]
-            trial_cal = calibrate(int4_weight_copy(model, trial), dataset, samples, per_tensor, ranges)
-            model_bytes = trial_cal.quantize(trial_cal.nodes_of_layers(best.float_layers))
-            acc = quality.value(predict(model_bytes, x))
-            point = PlanPoint(
-                best.float_layers,
-                acc,
-                round(quality.points(fp32_acc, acc), 4),
-                len(model_bytes) - _weight_count(model, trial) // 2,
-                tuple(trial),
-            )
-            frontier.append(point)
-            if point.drop_pp <= max_drop_pp:
-                accepted = trial
-                best = point
     out = Path(out)
     write_json_atomic(
         out,
@@ -138,6 +185,7 @@ def make_plan(
             "data": f"{data} ({split})",
             "max_drop_pp": max_drop_pp,
             "met": bool(meeting),
+            "fallback": fallback,
             "fp32_accuracy": fp32_acc,
             "int8_accuracy": int8_acc,
             "accuracy": best.accuracy,
@@ -148,6 +196,7 @@ def make_plan(
             "layers": {
                 **{name: "float" for name in best.float_layers},
                 **{name: {"weight_bits": 4} for name in best.int4_layers},
+                **{name: {"activation_bits": 16} for name in best.wide_layers},
             },
             "ranking": ranking,
             "frontier": [asdict(p) for p in frontier],
@@ -164,7 +213,37 @@ def make_plan(
         tuple(ranking),
         f"{data} ({split})",
         round(time.perf_counter() - start, 3),
+        fallback,
     )
+
+
+def _int4_layers(
+    model, dataset, samples, per_tensor, ranges, ranked, best, x, quality, fp32_acc, frontier, max_drop_pp
+):
+    """INT4 weights wherever the budget still holds, least sensitive layers first."""
+    weighted = {la.name for la in model.layers if type(la).__name__ in ("Conv2D", "DepthwiseConv2D", "Dense")}
+    candidates = sorted(
+        (r for r in ranked if r.layer in weighted and r.layer not in best.float_layers),
+        key=lambda r: (r.loss_pp, r.mse_only_this),
+    )
+    accepted: list[str] = []
+    for candidate in candidates:
+        trial = [*accepted, candidate.layer]
+        trial_cal = calibrate(int4_weight_copy(model, trial), dataset, samples, per_tensor, ranges)
+        model_bytes = trial_cal.quantize(trial_cal.nodes_of_layers(best.float_layers))
+        acc = quality.value(predict(model_bytes, x))
+        point = PlanPoint(
+            best.float_layers,
+            acc,
+            round(quality.points(fp32_acc, acc), 4),
+            len(model_bytes) - _weight_count(model, trial) // 2,
+            tuple(trial),
+        )
+        frontier.append(point)
+        if point.drop_pp <= max_drop_pp:
+            accepted = trial
+            best = point
+    return best
 
 
 def save_frontier_chart(result: PlanResult, path) -> None:
@@ -180,11 +259,12 @@ def save_frontier_chart(result: PlanResult, path) -> None:
     accs = [p.accuracy * 100 for p in result.frontier]
     ax.plot(sizes, accs, "o-", color="#4062bb")
     for p, s, a in zip(result.frontier, sizes, accs):
-        ax.annotate(str(len(p.float_layers)), (s, a), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.annotate(str(len(p.changed)), (s, a), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.axhline(result.fp32_accuracy * 100 - result.max_drop_pp, color="#c33", lw=0.8, ls="--", label="budget")
     ax.set_xlabel("model size (KiB)")
     ax.set_ylabel(f"accuracy on {result.data} (%)")
-    ax.set_title("plans tried (label: layers kept float)")
+    moved = "at 16-bit" if result.fallback == "int16" else "kept float"
+    ax.set_title(f"plans tried (label: layers {moved})")
     ax.legend()
     fig.tight_layout()
     with atomic_path(path) as tmp:

@@ -237,27 +237,46 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
     "--granularity", type=click.Choice(["per-channel", "per-tensor"]), default="per-channel", show_default=True
 )
 @click.option("--int4", is_flag=True, help="Then INT4 weights on the least sensitive layers, within the budget.")
+@click.option(
+    "--fallback",
+    type=click.Choice(["float", "int16"]),
+    default="float",
+    show_default=True,
+    help="What a layer int8 hurts becomes: float, or 16-bit activations (16x8), which keeps the model "
+    "integer-only (convert it with --int8-only --plan PLAN).",
+)
 @_ranges_option
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Size/accuracy frontier PNG.")
-def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, ranges, plot_path):
-    """Start from full INT8 and keep the most sensitive layers float until the accuracy
-    drop is within --max-drop. The best plan is always saved; use it with
-    `edgeq convert MODEL --int8 --plan PLAN` or `edgeq train --layer-config PLAN`."""
+def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fallback, ranges, plot_path):
+    """Start from full INT8 and move the most sensitive layers off int8 (float, or with
+    --fallback int16 16-bit activations) until the accuracy drop is within --max-drop.
+    The best plan is always saved; use it with `edgeq convert MODEL --int8 --plan PLAN`
+    (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`."""
     from edgeq.analyze.plan import make_plan, save_frontier_chart
     from edgeq.errors import QualityGateError
 
     result = make_plan(
-        model, data, max_drop, out, calib_samples, split, granularity == "per-tensor", int4=int4, ranges=ranges
+        model,
+        data,
+        max_drop,
+        out,
+        calib_samples,
+        split,
+        granularity == "per-tensor",
+        int4=int4,
+        ranges=ranges,
+        fallback=fallback,
     )
+    moved = "layers at 16-bit" if fallback == "int16" else "layers kept float"
     click.echo(
         f"{result.data}: FP32 {result.fp32_accuracy:.2%}, full INT8 {result.int8_accuracy:.2%}, budget {max_drop:g} pp"
     )
     click.echo(
         table(
-            ["layers kept float", "INT4 weights", "accuracy", "drop pp", "size KiB"],
+            [moved, "INT4 weights", "accuracy", "drop pp", "size KiB"],
             [
                 (
-                    ", ".join(p.float_layers) or "(none: full INT8)",
+                    ", ".join(p.changed) or "(none: full INT8)",
                     ", ".join(p.int4_layers) or "-",
                     f"{p.accuracy:.2%}",
                     f"{p.drop_pp:+.2f}",
@@ -272,6 +291,6 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, ra
     click.echo(f"plan: {result.path}")
     if not result.met:
         raise QualityGateError(
-            f"no plan meets --max-drop {max_drop:g} pp: the best ({len(result.best.float_layers)} layers float) "
+            f"no plan meets --max-drop {max_drop:g} pp: the best ({len(result.best.changed)} {moved}) "
             f"drops {result.best.drop_pp:.2f} pp; it is saved in {result.path}"
         )

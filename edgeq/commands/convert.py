@@ -15,8 +15,8 @@ MODE_FLAGS = {
     "int8": "full integer with float I/O (float fallback allowed)",
     "int8-only": "integer-only: TFLITE_BUILTINS_INT8, int8 I/O, refuses float ops",
     "int16x8": "16-bit activations, 8-bit weights",
-    "int4-weights": "INT4 weight-only (AI Edge Quantizer), float compute",
-    "int4-dynamic": "INT4 weights, dynamic-range activations (AI Edge Quantizer)",
+    "int4-weights": "INT4 weight-only (LiteRT Quantizer), float compute",
+    "int4-dynamic": "INT4 weights, dynamic-range activations (LiteRT Quantizer)",
 }
 
 
@@ -101,7 +101,12 @@ def _mode_options(func):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of stochastic rounding and AdaRound.")
 @click.option("--equalize", is_flag=True, help="Cross-layer equalization before PTQ (BN folded first).")
 @click.option("--bias-correct", is_flag=True, help="Shift biases by the expected weight-quantization error (PTQ).")
-@click.option("--plan", type=click.Path(), help="Layer-wise plan from `edgeq analyze plan`: those layers stay float.")
+@click.option(
+    "--plan",
+    type=click.Path(),
+    help="Layer-wise plan from `edgeq analyze plan`: its layers stay float (--int8), or with --fallback int16 "
+    "get 16-bit activations in an integer-only model (--int8-only, the default for such a plan).",
+)
 @click.option(
     "--edgetpu", is_flag=True, help="Coral: static batch 1, Edge TPU check, and edgetpu_compiler if it is on PATH."
 )
@@ -138,7 +143,7 @@ def convert(
     from edgeq.convert import convert as run_convert
 
     options = ConvertOptions(
-        mode=mode or ("int8" if plan else "int8-only"),
+        mode=mode or ("int8" if plan and not _wide_plan(plan) else "int8-only"),
         calib=calib,
         calib_samples=calib_samples,
         granularity=granularity,
@@ -185,3 +190,14 @@ def convert(
     for note in result.notes:
         click.echo(f"note: {note}")
     click.echo(f"manifest: {result.manifest}")
+
+
+def _wide_plan(plan) -> bool:
+    """Whether ``plan`` is an int16-fallback plan (16-bit layers in an integer-only model)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(plan).read_text()).get("fallback") == "int16"
+    except (OSError, ValueError, AttributeError):
+        return False  # convert names what is wrong with the file

@@ -46,8 +46,9 @@ def render(report, show_ops: bool = True) -> str:
         lines += [table(["#", "op", "precision", "inputs", "outputs", "fused"], rows, numbers=True), ""]
     summary = report.op_summary
     by_type = ", ".join(f"{name} x{count}" for name, count in summary.by_type.items())
+    sixteen = f"int16 {100 * summary.int16_share:.0f}%, " if summary.int16_ops else ""
     lines.append(
-        f"ops            {summary.total} (int8 {100 * summary.int8_share:.0f}%, "
+        f"ops            {summary.total} (int8 {100 * summary.int8_share:.0f}%, {sixteen}"
         f"float {100 * summary.float_share:.0f}%): {by_type}"
     )
     if report.custom_ops:

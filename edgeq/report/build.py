@@ -483,6 +483,7 @@ def _ops(sources: Sources) -> list[dict]:
                 "total": r.op_summary.total,
                 "int8_share": r.op_summary.int8_share,
                 "float_ops": r.op_summary.float_ops,
+                "int16_ops": r.op_summary.int16_ops,
                 "rows": [{"op": k[0], "precision": k[1], "count": n} for k, n in sorted(by_type.items())],
                 "edgetpu": {
                     "compatible": tpu.compatible,

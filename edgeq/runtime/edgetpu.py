@@ -108,7 +108,9 @@ def _check_op(desc: ModelDesc, op: OperatorDesc) -> OpCheck:
     bad_activations = sorted(
         {t.dtype for t in tensors if not t.is_constant and t.dtype not in QUANT8_DTYPES and t.dtype != "int32"}
     )
-    if bad or bad_activations:
+    if "int16" in bad_activations:
+        reasons.append("16-bit activations (16x8): the Edge TPU maps int8 ops only")
+    elif bad or bad_activations:
         reasons.append(f"not int8 ({', '.join(sorted(set(bad) | set(bad_activations)))} tensors)")
     if any(t.dynamic for t in tensors):
         reasons.append("dynamic shape")

@@ -470,6 +470,8 @@ class OpSummary:
     other_ops: int
     int8_share: float
     float_share: float
+    int16_ops: int = 0  # 16-bit activations, 8-bit weights (16x8): integer, but not int8
+    int16_share: float = 0.0
 
 
 def op_summary(desc: ModelDesc) -> OpSummary:
@@ -477,7 +479,7 @@ def op_summary(desc: ModelDesc) -> OpSummary:
     counts = Counter(op.op_type for op in sg.operators)
     kinds = Counter(op_precision(desc, op) for op in sg.operators)
     total = len(sg.operators)
-    int8, floats = kinds.get("int8", 0), kinds.get("float", 0)
+    int8, floats, int16 = kinds.get("int8", 0), kinds.get("float", 0), kinds.get("int16", 0)
     return OpSummary(
         total=total,
         by_type=dict(counts.most_common()),
@@ -486,6 +488,8 @@ def op_summary(desc: ModelDesc) -> OpSummary:
         other_ops=total - int8 - floats,
         int8_share=round(int8 / total, 4) if total else 0.0,
         float_share=round(floats / total, 4) if total else 0.0,
+        int16_ops=int16,
+        int16_share=round(int16 / total, 4) if total else 0.0,
     )
 
 

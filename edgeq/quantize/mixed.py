@@ -1,0 +1,160 @@
+"""Mixed int8/int16 integer-only post-training quantization.
+
+LiteRT runs 16x8 ops (16-bit activations, 8-bit weights, 64-bit bias) with integer kernels,
+so a model can keep its sensitive layers at 16-bit activations and every other layer at
+int8 and still be integer-only: the boundaries are QUANTIZE ops that rescale int8 <-> int16.
+The TFLite converter quantizes a whole model one way; LiteRT Quantizer (``litert-quantizer``)
+takes a recipe per op, so that is what builds these models. Its scope for an op is the op's
+output tensor names, which is how a Keras layer is matched to its ops here.
+
+The float model is converted and calibrated once (min/max of every tensor on the
+calibration samples); each mix is then a quantization of that one calibration.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeq.calibration import layer_name_for
+from edgeq.errors import UsageError
+from edgeq.runtime.flatbuffer import op_precision, verify_tflite
+from edgeq.shims.tflite import keras_converter, native_output_silenced
+
+WIDE_BITS = 16
+
+
+@dataclass(frozen=True)
+class OpScope:
+    index: int
+    op_type: str
+    scope: str  # LiteRT Quantizer's name for the op: its output tensors' names, each followed by ";"
+    layer: str  # the Keras layer the op computes
+
+
+def _litert_quantizer():
+    try:
+        from litert_quantizer import qtyping, quantizer
+    except ImportError as exc:
+        raise UsageError('mixed int8/int16 quantization needs LiteRT Quantizer: pip install "edgeq[train]"') from exc
+    return qtyping, quantizer
+
+
+def _op_layers(desc, layer_names: list[str]):
+    """(op, its output names, the Keras layer it computes) for each op of the main subgraph.
+
+    An op whose output names no layer (a Dense layer's softmax is named by the model output
+    it writes, a QUANTIZE op by what it converts) belongs to the layer that produced its input.
+    """
+    tensors = desc.main.tensors
+    layer_of_tensor: dict[int, str] = {}
+    for op in desc.main.operators:
+        names = [tensors[i].name for i in op.outputs if i >= 0 and tensors[i].name]
+        if not names:
+            continue
+        layer = layer_name_for(names[0], layer_names)
+        if layer not in layer_names:
+            layer = next((layer_of_tensor[i] for i in op.inputs if i in layer_of_tensor), layer)
+        layer_of_tensor.update((i, layer) for i in op.outputs)
+        yield op, names, layer
+
+
+def op_scopes(model_bytes: bytes, layer_names: list[str]) -> list[OpScope]:
+    """Each op of the float model, with LiteRT Quantizer's scope and the layer it belongs to."""
+    desc = verify_tflite(model_bytes, "the float model")
+    return [
+        OpScope(op.index, op.op_type, "".join(f"{n};" for n in names), layer)
+        for op, names, layer in _op_layers(desc, layer_names)
+    ]
+
+
+def wide_layers(model_bytes: bytes, layer_names: list[str]) -> dict[str, list[str]]:
+    """{layer: [op types]} of the ops that compute at 16-bit in a quantized model (QUANTIZE excluded)."""
+    desc = verify_tflite(model_bytes, "the quantized model")
+    found: dict[str, list[str]] = {}
+    for op, _, layer in _op_layers(desc, layer_names):
+        if op.op_type not in ("QUANTIZE", "DEQUANTIZE") and op_precision(desc, op) == "int16":
+            found.setdefault(layer, []).append(op.op_type)
+    return found
+
+
+@dataclass
+class MixedCalibration:
+    """A float model calibrated once, ready to be quantized with any set of layers at 16-bit."""
+
+    float_model: bytes
+    calibration: dict
+    ops: tuple[OpScope, ...]
+    layer_names: list[str]
+
+    @property
+    def layers(self) -> list[str]:
+        """The layers that have ops, in graph order."""
+        seen: list[str] = []
+        for op in self.ops:
+            if op.layer in self.layer_names and op.layer not in seen:
+                seen.append(op.layer)
+        return seen
+
+    def quantize(self, wide: Iterable[str] = ()) -> bytes:
+        """Integer-only model (int8 I/O): ``wide`` layers at 16-bit activations, the rest int8."""
+        qtyping, quantizer = _litert_quantizer()
+        wide = list(dict.fromkeys(wide))
+        missing = [name for name in wide if name not in self.layers]
+        if missing:
+            raise UsageError(
+                f"layer(s) {', '.join(missing)} have no op in the converted model; "
+                f"layers that do: {', '.join(self.layers[:12])}{' ...' if len(self.layers) > 12 else ''}"
+            )
+        qt = quantizer.Quantizer(self.float_model)
+        every = qtyping.TFLOperationName.ALL_SUPPORTED
+        qt.add_static_config(regex=".*", operation_name=every, activation_num_bits=8, weight_num_bits=8)
+        for op in self.ops:
+            if op.layer in wide:
+                qt.add_static_config(
+                    regex=f"^{re.escape(op.scope)}$",
+                    operation_name=every,
+                    activation_num_bits=WIDE_BITS,
+                    weight_num_bits=8,
+                )
+        with native_output_silenced():
+            result = qt.quantize(self.calibration, enable_progress_report=False)
+        return bytes(result.quantized_model)
+
+
+def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None) -> MixedCalibration:
+    """Convert ``keras_model`` to float TFLite and record every tensor's range on ``samples``.
+
+    ``samples``: an array (one input) or a dict of arrays by input name.
+    """
+    from ai_edge_litert.interpreter import Interpreter
+
+    _, quantizer = _litert_quantizer()
+    with native_output_silenced():
+        float_model = keras_converter(keras_model, input_shapes=input_shapes).convert()
+    signatures = Interpreter(model_content=float_model).get_signature_list()
+    (key, signature), *_ = signatures.items()
+    if not isinstance(samples, dict):
+        (name,) = signature["inputs"]
+        samples = {name: samples}
+    n = len(next(iter(samples.values())))
+    data = {
+        key: [
+            {name: np.asarray(samples[name][i : i + 1], dtype=np.float32) for name in signature["inputs"]}
+            for i in range(n)
+        ]
+    }
+    qt = quantizer.Quantizer(float_model)
+    qt.add_static_config(
+        regex=".*",
+        operation_name=_litert_quantizer()[0].TFLOperationName.ALL_SUPPORTED,
+        activation_num_bits=8,
+        weight_num_bits=8,
+    )
+    with native_output_silenced():
+        calibration = qt.calibrate(data, num_threads=1)
+    layer_names = [layer.name for layer in keras_model.layers]
+    return MixedCalibration(float_model, calibration, tuple(op_scopes(float_model, layer_names)), layer_names)
