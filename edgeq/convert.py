@@ -307,6 +307,7 @@ class ConvertOptions:
     ptq: str = "auto"  # integer PTQ ranges: auto | converter | minmax | percentile | mse | entropy
     weight_ranges: str = "minmax"  # edgeq's PTQ weight ranges per channel: minmax | mse
     rounding: str = "nearest"  # edgeq's PTQ weight rounding: nearest | stochastic | adaround
+    weight_bits: int = 8  # 4: W4A8, per-channel 4-bit weight codes ([-7, 7]) inside int8 kernels
     seed: int = 0  # stochastic rounding's and AdaRound's seed (recorded in the manifest)
     ptq_target_db: float | None = None  # --ptq auto stops at the first candidate this good; None: min_sqnr_db
     input_shape: str | None = None  # --input-shape HxWxC (or NAME=HxWxC,...): fixes a fully convolutional input
@@ -353,6 +354,16 @@ class ConvertOptions:
                 f"{self.weight_ranges} --rounding {self.rounding} deploys other weights: drop --bias-correct "
                 "(AdaRound already corrects the layer outputs) or use --weight-ranges minmax --rounding nearest"
             )
+        if self.weight_bits not in (4, 8):
+            raise UsageError(f"--weight-bits must be 4 or 8, got {self.weight_bits}")
+        if self.weight_bits == 4:
+            if spec.mode not in (Mode.INT8, Mode.INT8_ONLY):
+                raise UsageError("--weight-bits 4 (W4A8) is integer PTQ: use it with --int8-only or --int8")
+            if self.ptq == "converter" or self.plan or self.bias_correct or self.granularity != "per-channel":
+                raise UsageError(
+                    "--weight-bits 4 rounds per-channel 4-bit codes with edgeq's ranges: drop --ptq converter, "
+                    "--plan, --bias-correct and --granularity per-tensor"
+                )
         if self.plan and spec.mode not in (Mode.INT8, Mode.INT8_ONLY):
             raise UsageError(
                 "--plan converts with --int8 (layers kept float: float I/O, float fallback) or, for a plan of "
@@ -388,6 +399,8 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     notes: list[str] = []
     if is_qat:
         keras_model, is_qat = _sixteen_bit_qat(keras_model, source_path, spec, notes)
+    if options.weight_bits != 8 and is_qat:
+        raise UsageError(f"{source_name} is a QAT model: its weight bits are the ones it trained with (--weight-bits)")
     if (equalize or plan or bias_correct) and is_qat:
         raise UsageError(
             f"{source_name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
@@ -403,7 +416,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             f"model): fix them for your camera with --input-shape {example}"
         )
     single_io = len(shapes) == 1 and len(keras_model.outputs) == 1
-    if (equalize or plan or bias_correct or options.ptq not in ("auto", "converter")) and not single_io:
+    if (equalize or plan or bias_correct or options.ptq not in ("auto", "converter") or options.weight_bits != 8) and (
+        not single_io
+    ):
         raise UsageError(
             f"{source_name} has {len(shapes)} input(s) and {len(keras_model.outputs)} output(s): --equalize, "
             "--bias-correct, --plan and --ptq METHOD take one-input one-output models; convert it with --ptq "
@@ -562,6 +577,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             "calib": data_spec,
             "calib_samples": calib_samples if spec.calibrate else 0,
             "ptq": options.ptq if spec.calibrate and not is_qat else None,
+            "weight_bits": options.weight_bits,
         },
         "calibration_data_sha256": dataset.fingerprint() if dataset is not None else None,
         "calibration_samples": _calibration_record(dataset, calib_samples) if spec.calibrate else None,
@@ -636,7 +652,8 @@ def _convert_searching_ranges(
     if target is None:
         target = spec.min_sqnr_db if options.min_sqnr_db is None else float(options.min_sqnr_db)
     rounding = options.rounding
-    if rounding != "nearest":  # the converter rounds to nearest: only edgeq's candidates round otherwise
+    if rounding != "nearest" or options.weight_bits != 8:
+        # the converter rounds to nearest, at 8 bits: only edgeq's candidates round otherwise
         methods = tuple(m for m in methods if m != "converter")
     x_check, split = held.x_select, held.split
     reference = reference_model.predict(x_check, batch_size=64, verbose=0)
@@ -675,6 +692,7 @@ def _convert_searching_ranges(
                 dataset.calibration_samples(options.calib_samples),
                 options.granularity == "per-tensor",
                 fold=rounding != "nearest",
+                weight_bits=options.weight_bits,
             )
             simulated = {}
             for method in ours:
@@ -714,10 +732,12 @@ def _convert_searching_ranges(
         f"{'; stopped at the target ' + format(target, '.1f') + ' dB' if stopped and ours else ''})"
     )
     rounding_record = {"method": "nearest", "seed": None, "layers": []}
-    if rounding != "nearest" and calibration is not None:
-        rounding_record = calibration.rounding
+    if (rounding != "nearest" or options.weight_bits != 8) and calibration is not None:
+        rounding_record = calibration.rounding | {"weight_bits": options.weight_bits}
         layers = rounding_record["layers"]
-        note += f"; weights rounded by {rounding} (seed {options.seed}) in {len(layers)} layers"
+        note += (
+            f"; {options.weight_bits}-bit weights rounded by {rounding} (seed {options.seed}) in {len(layers)} layers"
+        )
         if rounding == "adaround" and layers:
             before = float(np.mean([la["output_mse_nearest"] for la in layers]))
             after = float(np.mean([la["output_mse"] for la in layers]))

@@ -102,11 +102,15 @@ def fake_quantize(x: np.ndarray, spec: QuantSpec, seed: int | None = 0) -> np.nd
     return dequantize(quantize(x, params, rng), params)
 
 
-def weight_codes(kernel: np.ndarray, scale: np.ndarray, rounding: str = "nearest", seed: int = 0) -> np.ndarray:
-    """Codes (float64) of a symmetric int8 kernel at per-channel ``scale``, narrow range [-127, 127]."""
+def weight_codes(
+    kernel: np.ndarray, scale: np.ndarray, rounding: str = "nearest", seed: int = 0, bits: int = 8
+) -> np.ndarray:
+    """Codes (float64) of a symmetric kernel at per-channel ``scale``, narrow range: [-127, 127] at
+    8 bits, [-7, 7] at 4."""
     rng = np.random.default_rng(seed) if rounding == "stochastic" else None
     scaled = np.asarray(kernel, np.float64) / np.asarray(scale, np.float64)
-    return np.clip(round_codes(scaled, rounding, rng), -127, 127)
+    top = 2 ** (bits - 1) - 1
+    return np.clip(round_codes(scaled, rounding, rng), -top, top)
 
 
 def weight_error(kernel: np.ndarray, scale: np.ndarray, q: np.ndarray) -> float:

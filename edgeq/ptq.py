@@ -44,7 +44,7 @@ class ChosenRange:
     high: float
 
 
-def _set_weight_ranges(float_model, qat_model, method: str) -> list[ChosenRange]:
+def _set_weight_ranges(float_model, qat_model, method: str, bits: int = 8) -> list[ChosenRange]:
     chosen = []
     for layer in qat_model.layers:
         if not isinstance(layer, schemes.QuantizeWrapper):
@@ -60,7 +60,7 @@ def _set_weight_ranges(float_model, qat_model, method: str) -> list[ChosenRange]
             per_channel = int(np.prod(low_var.shape)) > 1
             if type(source).__name__ == "DepthwiseConv2D" and per_channel:
                 kernel = kernel.reshape(*kernel.shape[:2], -1)  # (kh, kw, C * multiplier)
-            m = weight_ranges(kernel if per_channel else kernel.reshape(-1, 1), axis=-1, method=method)
+            m = weight_ranges(kernel if per_channel else kernel.reshape(-1, 1), axis=-1, method=method, bits=bits)
             m = m.reshape(low_var.shape).astype(np.float32)
             low_var.assign(-m)
             high_var.assign(m)
@@ -83,16 +83,21 @@ class RangeCalibration:
         batch_size: int = 16,
         seed=0,
         fold: bool = False,
+        weight_bits: int = 8,
     ):
         float_model, _ = replace_tf_ops(float_model)
         # The converter's own BN fold is wrong after per-tensor fake-quant (see transforms.fold),
-        # and it would requantize weights whose rounding edgeq chose: fold first for both.
-        if per_tensor or fold:
+        # and it would requantize weights whose rounding edgeq chose: fold first for both. 4-bit
+        # weights are always rounded here (their codes must be what the fold-free graph stores).
+        self.weight_bits = weight_bits
+        if per_tensor or fold or weight_bits != 8:
             float_model = fold_batchnorm(float_model)
         self.x_calibration = x_calibration
         self._rounded: dict = {}
         self.rounding: dict = {}
-        settings = schemes.QuantSettings(granularity="per-tensor" if per_tensor else "per-channel")
+        settings = schemes.QuantSettings(
+            granularity="per-tensor" if per_tensor else "per-channel", weight_bits=weight_bits
+        )
         self.float_model = float_model
         self.qat_model = schemes.build_qat_model(float_model, settings)
         self.points = activation_points(float_model, self.qat_model)
@@ -112,7 +117,7 @@ class RangeCalibration:
             low_var.assign(low)
             high_var.assign(high)
             chosen.append(ChosenRange(low_var.name.split(":")[0], layer, low, high))
-        chosen += _set_weight_ranges(self.float_model, self.qat_model, weights)
+        chosen += _set_weight_ranges(self.float_model, self.qat_model, weights, self.weight_bits)
         self.rounding = self._round_weights(rounding, seed, weights)
         return self.qat_model, chosen
 
@@ -128,7 +133,7 @@ class RangeCalibration:
                 continue
             source = self.float_model.get_layer(layer.layer.name)
             kernel = getattr(source, name).numpy()
-            scale = found[f"{name}_max"].numpy().astype(np.float64) / 127
+            scale = found[f"{name}_max"].numpy().astype(np.float64) / (2 ** (self.weight_bits - 1) - 1)
             if scale.size > 1 and name == "depthwise_kernel":
                 scale = scale.reshape(kernel.shape[2:])
             kernels.append((found[name], source, kernel, scale))  # the wrapper's kernel variable
@@ -173,7 +178,7 @@ class RangeCalibration:
         kernels = self._kernels()
         inputs = self._layer_inputs([source for _, source, _, _ in kernels]) if method == "adaround" else None
         for variable, source, kernel, scale in kernels:
-            if method == "nearest":
+            if method == "nearest" and self.weight_bits == 8:
                 values.append((variable, kernel))
                 variable.assign(kernel)
                 continue
@@ -181,16 +186,19 @@ class RangeCalibration:
             if method == "adaround":
                 from edgeq.transforms.adaround import adaround
 
-                q, result = adaround(source, next(inputs), scale, iterations=iterations, seed=seed)
+                q, result = adaround(
+                    source, next(inputs), scale, iterations=iterations, seed=seed, bits=self.weight_bits
+                )
                 entry |= {
                     "output_mse_nearest": result.output_mse_nearest,
                     "output_mse": result.output_mse,
                     "flipped": round(result.flipped, 6),
                 }
             else:
-                q = weight_codes(kernel, scale, method, seed=seed + len(layers))
+                q = weight_codes(kernel, scale, method, seed=seed + len(layers), bits=self.weight_bits)
             entry["weight_mse"] = weight_error(kernel, scale, q)
-            entry["weight_mse_nearest"] = weight_error(kernel, scale, weight_codes(kernel, scale, "nearest"))
+            nearest = weight_codes(kernel, scale, "nearest", bits=self.weight_bits)
+            entry["weight_mse_nearest"] = weight_error(kernel, scale, nearest)
             value = (q * scale).astype(np.float32)
             values.append((variable, value))
             variable.assign(value)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from edgeq.ranges import activation_range, fake_quant_asymmetric, quantization_mse, weight_ranges
+from tests.conftest import assert_one_line_error
 
 
 def outlier_values(seed=0):
@@ -560,3 +561,44 @@ def test_the_range_observer_keeps_a_uniform_sample_in_bounded_memory(monkeypatch
     assert values.min() == 0.0 and values.max() == np.float32(399.5)
     share_first = np.mean(np.floor(values) < 40)  # the first tenth of the adds
     assert 0.07 < share_first < 0.13, share_first
+
+
+def test_w4a8_stores_4_bit_codes_in_integer_kernels_and_adaround_lowers_the_error(cli, digits_run, tmp_path):
+    """--weight-bits 4: per-channel 4-bit weights inside an int8-only model, the codes read back from the
+    .tflite in [-8, 7]; AdaRound's learned rounding beats nearest on each layer's output and overall."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    from edgeq.runtime.flatbuffer import is_integer_only, read_tflite
+
+    results = {}
+    for rounding in ("nearest", "adaround"):
+        out = tmp_path / f"w4_{rounding}.tflite"
+        result = cli(
+            "convert", digits_run.fp32_model, "--int8-only", "--weight-bits", "4", "--rounding", rounding,
+            "--ptq", "minmax", "--calib", "digits", "--calib-samples", "64", "--out", out,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        desc = read_tflite(out)
+        assert is_integer_only(desc)
+        interpreter = Interpreter(model_path=str(out))
+        weights = [t for t in desc.main.tensors if t.is_constant and t.dtype in ("int4", "int8") and t.scale]
+        assert len(weights) == 4  # conv1, conv2, conv3, logits
+        for t in weights:
+            codes = interpreter.get_tensor(t.index)
+            assert codes.min() >= -8 and codes.max() <= 7 and len(np.unique(codes)) <= 16, t.name
+        manifest = json.loads((tmp_path / f"w4_{rounding}.manifest.json").read_text())
+        assert manifest["options"]["weight_bits"] == 4 and manifest["ptq"]["rounding"]["weight_bits"] == 4
+        results[rounding] = manifest
+    layers = results["adaround"]["ptq"]["rounding"]["layers"]
+    assert all(la["output_mse"] <= la["output_mse_nearest"] for la in layers)
+    assert any(la["output_mse"] < 0.8 * la["output_mse_nearest"] for la in layers)
+    sqnr = {r: m["verification"]["sqnr_db"] for r, m in results.items()}
+    assert sqnr["adaround"] > sqnr["nearest"], sqnr
+    eight = tmp_path / "w8.tflite"
+    assert cli("convert", digits_run.fp32_model, "--int8-only", "--calib", "digits", "--out", eight).exit_code == 0
+    assert (tmp_path / "w4_nearest.tflite").stat().st_size < 0.75 * eight.stat().st_size  # packed two per byte
+    assert_one_line_error(
+        cli("convert", digits_run.fp32_model, "--weight-bits", "4", "--ptq", "converter", "--calib", "digits"),
+        "--ptq converter",
+    )
+    assert_one_line_error(cli("convert", digits_run.qat_model, "--weight-bits", "4"), "QAT model")

@@ -24,6 +24,7 @@ SECTIONS = (
     "host",
     "keras",
     "ptq",
+    "mixed",
     "tasks",
     "detection",
     "fleet",

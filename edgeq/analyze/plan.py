@@ -29,6 +29,9 @@ from edgeq.errors import UsageError
 from edgeq.transforms.int4 import int4_weight_copy
 
 FALLBACKS = ("float", "int16")  # what a layer that int8 hurts becomes
+# Up to this many layers, the int16 plan tries each layer alone at 16-bit to rank them (a
+# quantization and a pass each); past it, ranking is by each op's own int8 error, one pass.
+EXACT_LAYERS = 32
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,41 @@ def _greedy(ranking: list[str], measure, max_drop_pp: float, frontier: list[Plan
             frontier.append(point)
             if point.drop_pp <= max_drop_pp:
                 chosen = trial
+
+
+def _prefix_search(ranking: list[str], measure, max_drop_pp: float, frontier: list[PlanPoint]) -> None:
+    """The shortest prefix of ``ranking`` that meets the budget, in O(log n) measurements: prefixes of
+    1, 2, 4, ... layers until one meets it, then bisection between the last two (a model of hundreds
+    of layers cannot afford a measurement per layer)."""
+    low, size = 0, 1
+    while True:
+        size = min(size, len(ranking))
+        point = measure(ranking[:size])
+        frontier.append(point)
+        if point.drop_pp <= max_drop_pp or size == len(ranking):
+            break
+        low, size = size, size * 2
+    if point.drop_pp > max_drop_pp:
+        return
+    high = size
+    while high - low > 1:
+        middle = (low + high) // 2
+        point = measure(ranking[:middle])
+        frontier.append(point)
+        if point.drop_pp <= max_drop_pp:
+            high = middle
+        else:
+            low = middle
+
+
+def _fast_wide_ranking(model, dataset, samples: int, layers: list[str]) -> list[str]:
+    """Layers by their worst op's own int8 error (the debugger's per-op channel SQNR, each op on float
+    inputs), worst first: one calibration pass, however many layers."""
+    from edgeq.analyze.sensitivity import fast_sensitivity
+
+    cal = calibrate(model, dataset, samples)
+    ranked = [s.layer for s in fast_sensitivity(cal) if s.layer in layers]
+    return ranked + [name for name in layers if name not in ranked]
 
 
 def _wide_ranking(model, mixed, x, quality, int8_accuracy: float, reference, progress=None) -> list[str]:
@@ -162,14 +200,18 @@ def make_plan(
     # full INT8 misses the budget, or to order the layers that --int4 tries.
     ranked, ranking = [], []
     if fallback == "int16":
-        if frontier[0].drop_pp > max_drop_pp:
+        if frontier[0].drop_pp > max_drop_pp and len(cal.layers) <= EXACT_LAYERS:
             ranking = _wide_ranking(model, cal, x, quality, int8_acc, reference, progress)
+        elif frontier[0].drop_pp > max_drop_pp:
+            ranking = _fast_wide_ranking(model, dataset, samples, cal.layers)
+            _prefix_search(ranking, measure, max_drop_pp, frontier)
     elif frontier[0].drop_pp > max_drop_pp or int4:
         _, _, ranked = exact_sensitivity(cal, x, quality, progress)
         # Keep float first the layers whose float-ness buys back the most accuracy.
         ranked.sort(key=lambda r: (-r.gain_pp, -r.loss_pp, -r.mse_only_this))
         ranking = [r.layer for r in ranked]
-    _greedy(ranking, measure, max_drop_pp, frontier)
+    if fallback == "float" or len(cal.layers) <= EXACT_LAYERS:
+        _greedy(ranking, measure, max_drop_pp, frontier)
     meeting = sorted((p for p in frontier if p.drop_pp <= max_drop_pp), key=lambda p: (len(p.changed), p.drop_pp))
     best = meeting[0] if meeting else max(frontier, key=lambda p: (p.accuracy, -len(p.changed)))
     if int4 and meeting:

@@ -99,6 +99,14 @@ def _mode_options(func):
     "threshold); a high value always scores edgeq's methods too and keeps the best.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of stochastic rounding and AdaRound.")
+@click.option(
+    "--weight-bits",
+    type=click.Choice(["4", "8"]),
+    default="8",
+    show_default=True,
+    help="4: W4A8, per-channel 4-bit weight codes ([-7, 7]) inside int8 kernels, rounded by --rounding "
+    "(nearest or adaround); the activations stay int8.",
+)
 @click.option("--equalize", is_flag=True, help="Cross-layer equalization before PTQ (BN folded first).")
 @click.option("--bias-correct", is_flag=True, help="Shift biases by the expected weight-quantization error (PTQ).")
 @click.option(
@@ -131,6 +139,7 @@ def convert(
     rounding,
     ptq_target,
     seed,
+    weight_bits,
     input_shape,
     task,
 ):
@@ -158,6 +167,7 @@ def convert(
         weight_ranges=weight_ranges,
         rounding=rounding,
         seed=seed,
+        weight_bits=int(weight_bits),
         ptq_target_db=ptq_target,
         input_shape=input_shape,
         task=task,

@@ -94,8 +94,11 @@ def adaround(
     batch_size: int = 16,
     regularization: float = 0.01,
     seed: int = 0,
+    bits: int = 8,
 ) -> tuple[np.ndarray, AdaRoundResult]:
-    """Integer codes for ``layer``'s kernel at ``scale`` (broadcast on the kernel), learned on ``inputs``."""
+    """Integer codes for ``layer``'s kernel at ``scale`` (broadcast on the kernel), learned on ``inputs``;
+    narrow range at ``bits`` ([-127, 127], or [-7, 7] at 4)."""
+    top = float(2 ** (bits - 1) - 1)
     f = _linear(layer)
     kernel = getattr(layer, kernel_name(layer)).numpy().astype(np.float32)
     scale = np.broadcast_to(np.asarray(scale, dtype=np.float32), kernel.shape)
@@ -109,7 +112,7 @@ def adaround(
     warmup = int(0.2 * iterations)
 
     def soft_kernel():
-        return scale_t * tf.clip_by_value(floor_t + _rectified_sigmoid(v), -127, 127)
+        return scale_t * tf.clip_by_value(floor_t + _rectified_sigmoid(v), -top, top)
 
     # the float layer's outputs, once: each step gathers its batch's instead of recomputing them
     targets = tf.concat([f(x_all[i : i + batch_size], kernel_t) for i in range(0, len(inputs), batch_size)], axis=0)
@@ -139,8 +142,8 @@ def adaround(
     if iterations > 0:
         train(tf.constant(picks), tf.constant(betas), tf.constant(weights))
 
-    learned = np.clip(floor + (_rectified_sigmoid(v).numpy() >= 0.5), -127, 127)
-    nearest = weight_codes(kernel, scale, "nearest")
+    learned = np.clip(floor + (_rectified_sigmoid(v).numpy() >= 0.5), -top, top)
+    nearest = weight_codes(kernel, scale, "nearest", bits=bits)
     reference = targets.numpy()
 
     def output_mse(q):

@@ -1,0 +1,226 @@
+"""Where int8 hurts, for BENCHMARKS.md: converter PTQ, mixed int8/int16 PTQ from a plan, QAT with
+labels and by distillation, and W4A8 with nearest vs AdaRound rounding, on trained architectures.
+
+The photo task is bench_ptq's (crops of scikit-learn's two sample photos labelled by a fixed
+random CNN), 6,000 samples, so the test split holds 1,200. Each architecture is trained from
+scratch at 32x32 as bench_ptq trains it; every quantized model is then scored on the test split
+against the FP32 model on the same samples: accuracy, the paired difference with a bootstrap 95%
+interval (edgeq.analyze.qat_gain.paired_interval, 1,000 resamples), size, single-thread latency
+on this CPU (edgeq's profile, LiteRT), and for the mixed model the share of ops at 16-bit.
+
+`python tools/bench.py --only mixed` (EDGEQ_BENCH_MIXED_ARCHS=EfficientNetB0,... to choose).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ARCHS = os.environ.get("EDGEQ_BENCH_MIXED_ARCHS", "EfficientNetB0,MobileNetV2,MobileNetV3Small").split(",")
+SAMPLES = 6000
+PLAN_BUDGET_PP = 0.5
+QAT_EPOCHS = 3
+RESAMPLES = 1000
+
+
+def _fp32(name: str, data: str, folder: Path) -> Path:
+    from bench_ptq import OPTIONS, TRAINED_EPOCHS, _set_bn_statistics
+
+    from edgeq.compat import keras
+    from edgeq.data import load_dataset
+
+    d = load_dataset(data)
+    keras.utils.set_random_seed(0)
+    model = getattr(keras.applications, name)(
+        weights=None, input_shape=d.x_train.shape[1:], classes=10, classifier_activation=None, **OPTIONS.get(name, {})
+    )
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=["accuracy"])
+    model.fit(d.x_train, d.y_train, epochs=TRAINED_EPOCHS, batch_size=64, verbose=0)
+    _set_bn_statistics(model, d.x_train[:512])
+    path = folder / f"{name}.keras"
+    model.save(path)
+    return path
+
+
+def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict:
+    import numpy as np
+
+    from edgeq.analyze.qat_gain import paired_interval
+    from edgeq.runtime.flatbuffer import read_tflite
+    from edgeq.runtime.interpreter import TFLiteModel
+    from edgeq.runtime.profile import profile_model
+
+    correct = (TFLiteModel(path, use_default_delegates=False).predict(x, batch_size=1).argmax(-1) == y).astype(float)
+    low, high = paired_interval(lambda c, idx: 100 * c[idx].mean(), fp32_correct, correct, resamples=RESAMPLES)
+    desc = read_tflite(path)
+    from edgeq.runtime.flatbuffer import op_summary
+
+    ops = op_summary(desc)
+    run = profile_model(path, runs=100, warmup=10, progress=False).models[0].runs[0]
+    return {
+        "accuracy": round(100 * correct.mean(), 2),
+        "drop_pp": round(100 * (fp32_correct.mean() - correct.mean()), 2),
+        "interval95": [round(-high, 2), round(-low, 2)],  # of the drop
+        "size_kib": round(path.stat().st_size / 1024, 1),
+        "latency_ms": run.latency.median_ms,
+        "int16_share": ops.int16_share,
+        "int16_ops": ops.int16_ops,
+        "ops": ops.total,
+    }
+
+
+def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
+    import numpy as np
+
+    from bench_ptq import RAW_PIXELS
+
+    from edgeq.analyze.plan import make_plan
+    from edgeq.convert import ConvertOptions, convert
+    from edgeq.data import load_dataset
+    from edgeq.model_io import load_keras_model
+    from edgeq.train.fit import TrainConfig, train
+
+    data = raw if name in RAW_PIXELS else photos
+    d = load_dataset(data)
+    x, y = d.split("test")
+    row: dict = {"model": name, "test_samples": len(y)}
+    start = time.perf_counter()
+    fp32 = _fp32(name, data, folder)
+    row["train_seconds"] = round(time.perf_counter() - start, 1)
+    fp32_correct = (load_keras_model(fp32).predict(x, batch_size=128, verbose=0).argmax(-1) == y).astype(float)
+    row["fp32_accuracy"] = round(100 * fp32_correct.mean(), 2)
+    loose = {"min_sqnr_db": -1000.0}  # measured here, not gated: a W4A8 model below the default threshold is a row
+
+    def converted(key: str, source, **options) -> None:
+        out = folder / f"{name}_{key}.tflite"
+        start = time.perf_counter()
+        try:
+            convert(source, out, ConvertOptions(mode="int8-only", calib=data, **(loose | options)))
+        except Exception as exc:  # a row says what failed; the others still run
+            row[key] = {"error": str(exc).splitlines()[0][:200]}
+            return
+        row[key] = _score(out, fp32_correct, x, y) | {"seconds": round(time.perf_counter() - start, 1)}
+        print(name, key, json.dumps(row[key]), flush=True)
+
+    converted("ptq", fp32, ptq="converter")
+    start = time.perf_counter()
+    plan = make_plan(fp32, data, PLAN_BUDGET_PP, folder / f"{name}_plan.json", samples=200, fallback="int16")
+    row["plan"] = {
+        "met": plan.met,
+        "wide_layers": len(plan.best.wide_layers),
+        "val_drop_pp": plan.best.drop_pp,
+        "measured": len(plan.frontier),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    converted("mixed", fp32, plan=str(plan.path))
+    for key, distill in (("qat", False), ("qat_distill", True)):
+        start = time.perf_counter()
+        run = train(
+            TrainConfig(model=str(fp32), data=data, out_dir=str(folder / key), epochs=0, qat_epochs=QAT_EPOCHS,
+                        distill=distill)
+        )  # fmt: skip
+        seconds = round(time.perf_counter() - start, 1)
+        converted(key, run.qat_model)
+        row[key]["train_seconds"] = seconds
+    for rounding in ("nearest", "adaround"):
+        converted(f"w4_{rounding}", fp32, weight_bits=4, rounding=rounding, ptq="minmax")
+    np.save(folder / f"{name}_fp32_correct.npy", fp32_correct)
+    return row
+
+
+def measure() -> list[dict]:
+    from bench_ptq import _raw_pixels, teacher_photos
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        photos = teacher_photos(tmp, n=SAMPLES)
+        raw = _raw_pixels(photos, tmp)
+        for name in ARCHS:
+            row = measure_arch(name, photos, raw, tmp)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _cell(r: dict) -> str:
+    if "error" in r:
+        return f"failed: {r['error'][:60]}"
+    low, high = r["interval95"]
+    return f"{r['accuracy']:.2f}% ({-r['drop_pp']:+.2f}, {-high:+.2f}..{-low:+.2f})"
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| model | FP32 | converter PTQ | mixed int8/int16 PTQ (0.5 pp plan) | 16-bit ops | QAT, labels | "
+        "QAT, label-free (distilled) | size int8 / mixed KiB | latency int8 / mixed ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mixed = r["mixed"]
+        share = f"{mixed['int16_ops']}/{mixed['ops']} ({100 * mixed['int16_share']:.0f}%)" if "ops" in mixed else "-"
+        lines.append(
+            f"| {r['model']} | {r['fp32_accuracy']:.2f}% | {_cell(r['ptq'])} | {_cell(mixed)} | {share} | "
+            f"{_cell(r['qat'])} | {_cell(r['qat_distill'])} | {r['ptq'].get('size_kib', '-')} / "
+            f"{mixed.get('size_kib', '-')} | {r['ptq'].get('latency_ms', '-')} / {mixed.get('latency_ms', '-')} |"
+        )
+    return lines
+
+
+def w4_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| model | FP32 | W4A8 nearest | W4A8 AdaRound | share of nearest's loss AdaRound recovers | size KiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        near, ada = r["w4_nearest"], r["w4_adaround"]
+        recovered = "-"
+        if "drop_pp" in near and "drop_pp" in ada and near["drop_pp"] > 0:
+            recovered = f"{100 * (near['drop_pp'] - ada['drop_pp']) / near['drop_pp']:.0f}%"
+        lines.append(
+            f"| {r['model']} | {r['fp32_accuracy']:.2f}% | {_cell(near)} | {_cell(ada)} | {recovered} | "
+            f"{ada.get('size_kib', '-')} |"
+        )
+    return lines
+
+
+def run() -> str:
+    rows = measure()
+    text = [
+        "## Where int8 hurts: mixed int8/int16 PTQ, QAT with and without labels, W4A8",
+        "",
+        f"`python tools/bench.py --only mixed`. bench_ptq's photo task with {SAMPLES} samples (train 70%, val 10%, "
+        f"test 20% = {rows[0]['test_samples'] if rows else '?'} test samples); each architecture trained from scratch "
+        "at 32x32 as there. Cells: test accuracy (drop vs FP32 in pp, paired bootstrap 95% interval of the drop over "
+        f"{RESAMPLES} resamples of the same test samples). Converter PTQ: `edgeq convert --int8-only --ptq converter`. "
+        f"Mixed: `edgeq analyze plan --fallback int16 --max-drop {PLAN_BUDGET_PP}` on the val split, then "
+        "`edgeq convert --int8-only --plan`, integer-only, 16-bit ops counted by `edgeq inspect`. QAT: "
+        f"`edgeq train FP32.keras --epochs 0 --qat-epochs {QAT_EPOCHS}`, with labels, or `--distill` (the FP32 model's "
+        "outputs as targets, no label used). Latency: `edgeq profile`, 1 thread, median of 100 runs, this CPU.",
+        "",
+        *table(rows),
+        "",
+        "W4A8: `edgeq convert --int8-only --weight-bits 4 --ptq minmax --rounding nearest|adaround` (per-channel 4-bit "
+        "weight codes in [-7, 7], packed two per byte by the converter, int8 activations and kernels).",
+        "",
+        *w4_table(rows),
+        "",
+        "Raw rows: "
+        + "; ".join(f"{r['model']}: plan {json.dumps(r['plan'])}, train {r['train_seconds']} s" for r in rows),
+        "",
+    ]
+    return "\n".join(text)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    print(run())
