@@ -49,7 +49,6 @@ def _fp32(name: str, data: str, folder: Path) -> Path:
 
 
 def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict:
-    import numpy as np
 
     from edgeq.analyze.qat_gain import paired_interval
     from edgeq.runtime.flatbuffer import read_tflite
@@ -77,7 +76,6 @@ def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict
 
 def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
     import numpy as np
-
     from bench_ptq import RAW_PIXELS
 
     from edgeq.analyze.plan import make_plan
