@@ -499,7 +499,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     try:
         if plan:
             ranges = _plan_ranges(plan, options.ptq)
-            flatbuffer = _convert_with_plan(keras_model, plan, dataset, calib_samples, granularity, ranges, notes)
+            flatbuffer = _convert_with_plan(
+                keras_model, plan, dataset, calib_samples, granularity, ranges, notes, spec.mode == Mode.INT8_ONLY
+            )
             ptq_record = {"requested": options.ptq, "chosen": ranges, "plan": str(plan), "candidates": []}
         elif spec.backend == "aeq":
             flatbuffer = _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
@@ -882,7 +884,7 @@ def _check_wide_plan(keras_model, plan, options: ConvertOptions) -> list[str]:
     """The plan's 16-bit layers, refused where the mixed model cannot be what was asked for."""
     wide = _plan_wide_layers(keras_model, plan)
     if not wide:
-        if options.mode != Mode.INT8:
+        if options.mode != Mode.INT8 and _plan_float_layers(keras_model, plan):
             raise UsageError(f"{plan} keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
         return wide
     resolved = _plan_resolved(keras_model, plan)
@@ -921,13 +923,14 @@ def _convert_mixed(keras_model, plan, wide: list[str], dataset, samples, notes) 
     return flatbuffer
 
 
-def _convert_with_plan(keras_model, plan, dataset, samples, granularity, ranges, notes) -> bytes:
+def _convert_with_plan(keras_model, plan, dataset, samples, granularity, ranges, notes, integer_only=False) -> bytes:
     """Full integer except the layers the plan keeps float (denylisted at quantization)."""
     from edgeq.calibration import calibrate
 
     resolved = _plan_resolved(keras_model, plan)
     wide = _plan_wide_layers(keras_model, plan)
-    if wide:
+    if wide or (integer_only and not any(p.keep_float or p.weight_bits != 8 for p in resolved.values())):
+        # 16-bit layers, or an int16 plan whose budget full int8 met: the model the plan measured
         return _convert_mixed(keras_model, plan, wide, dataset, samples, notes)
     float_layers = [name for name, p in resolved.items() if p.keep_float]
     int4_layers = [name for name, p in resolved.items() if not p.keep_float and p.weight_bits == 4]
@@ -1066,7 +1069,9 @@ def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, mi
     tensors = [("input", n, t) for n, t in zip(tflite.input_names, tflite.inputs)]
     tensors += [("output", n, t) for n, t in zip(tflite.output_names, tflite.outputs)]
     for kind, name, tensor in tensors:
-        if tensor.dtype != expected_io:
+        # a mixed int8/int16 model whose last layer computes at 16 bits answers in int16
+        wide_output = kind == "output" and tensor.dtype == "int16" and spec.mode == Mode.INT8_ONLY
+        if tensor.dtype != expected_io and not wide_output:
             raise ConversionError(
                 f"{source_name}: mode {spec.mode.value} promised {expected_io} {kind}s "
                 f"but the converter wrote {tensor.dtype} for {kind} {name!r}"

@@ -34,6 +34,9 @@ def _fp32(name: str, data: str, folder: Path) -> Path:
     from edgeq.compat import keras
     from edgeq.data import load_dataset
 
+    path = folder / f"{name}.keras"
+    if path.exists():  # EDGEQ_BENCH_CACHE kept it from an earlier run
+        return path
     d = load_dataset(data)
     keras.utils.set_random_seed(0)
     model = getattr(keras.applications, name)(
@@ -43,7 +46,6 @@ def _fp32(name: str, data: str, folder: Path) -> Path:
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=["accuracy"])
     model.fit(d.x_train, d.y_train, epochs=TRAINED_EPOCHS, batch_size=64, verbose=0)
     _set_bn_statistics(model, d.x_train[:512])
-    path = folder / f"{name}.keras"
     model.save(path)
     return path
 
@@ -61,7 +63,7 @@ def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict
     from edgeq.runtime.flatbuffer import op_summary
 
     ops = op_summary(desc)
-    run = profile_model(path, runs=100, warmup=10, progress=False).models[0].runs[0]
+    run = profile_model(path, runs=100, warmup=10, progress=False).model.runs[0]
     return {
         "accuracy": round(100 * correct.mean(), 2),
         "drop_pp": round(100 * (fp32_correct.mean() - correct.mean()), 2),
@@ -89,7 +91,9 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
     x, y = d.split("test")
     row: dict = {"model": name, "test_samples": len(y)}
     start = time.perf_counter()
-    fp32 = _fp32(name, data, folder)
+    cache = Path(os.environ.get("EDGEQ_BENCH_CACHE") or folder)
+    cache.mkdir(parents=True, exist_ok=True)
+    fp32 = _fp32(name, data, cache)
     row["train_seconds"] = round(time.perf_counter() - start, 1)
     fp32_correct = (load_keras_model(fp32).predict(x, batch_size=128, verbose=0).argmax(-1) == y).astype(float)
     row["fp32_accuracy"] = round(100 * fp32_correct.mean(), 2)
@@ -102,6 +106,7 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
             convert(source, out, ConvertOptions(mode="int8-only", calib=data, **(loose | options)))
         except Exception as exc:  # a row says what failed; the others still run
             row[key] = {"error": str(exc).splitlines()[0][:200]}
+            print(name, key, "failed:", row[key]["error"], flush=True)
             return
         row[key] = _score(out, fp32_correct, x, y) | {"seconds": round(time.perf_counter() - start, 1)}
         print(name, key, json.dumps(row[key]), flush=True)

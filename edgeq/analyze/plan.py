@@ -62,6 +62,7 @@ class PlanResult:
     data: str
     seconds: float
     fallback: str = "float"  # what a sensitive layer becomes: float | int16
+    label_free: bool = False  # measured as agreement with FP32 (the data has no labels)
 
 
 def _weight_count(model, layers) -> int:
@@ -228,6 +229,8 @@ def make_plan(
             "max_drop_pp": max_drop_pp,
             "met": bool(meeting),
             "fallback": fallback,
+            # no labels: every accuracy here is top-1 agreement with the FP32 model's own answers
+            "label_free": quality.label_free,
             "fp32_accuracy": fp32_acc,
             "int8_accuracy": int8_acc,
             "accuracy": best.accuracy,
@@ -256,6 +259,7 @@ def make_plan(
         f"{data} ({split})",
         round(time.perf_counter() - start, 3),
         fallback,
+        quality.label_free,
     )
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from edgeq.calibration import Calibrated, calibrate, predict
 from edgeq.errors import UsageError
+from edgeq.metrics import class_scores
 from edgeq.shims.tflite import native_output_silenced
 from edgeq.tasks import OutputSpec, drop, score, task
 
@@ -129,6 +130,7 @@ class Quality:
     spec: OutputSpec
     targets: np.ndarray | None
     inputs: np.ndarray | None
+    label_free: bool = False  # no labels: the targets are the FP32 model's own answers (agreement)
 
     def value(self, outputs: np.ndarray) -> float:
         return float(score(self.spec, outputs, self.targets, self.inputs)[self.metric])
@@ -146,12 +148,31 @@ def quality_of(model, model_path, dataset, split: str, declared: str | None = No
     metric = task(spec.kind).primary
     x, _ = dataset.split(split)
     targets = dataset.targets(split)
+    label_free = targets is None and spec.kind in LABEL_FREE_KINDS
+    if label_free:  # unlabelled data: how often the quantized model answers as FP32 does
+        targets = fp32_answers(spec, model.predict(x, batch_size=64, verbose=0))
     if not metric or (targets is None and spec.kind != "reconstruction"):
         raise UsageError(
             f"{model_path}: its output {spec.name!r} is {spec.kind}: analyze ranks layers by a task metric on labelled "
-            "data (class ids, 0/1 labels or float targets in 'y'); declare the task with --task if it is inferred wrong"
+            "data (class ids, 0/1 labels or float targets in 'y'), or for a classifier on any samples by agreement "
+            "with FP32; declare the task with --task if it is inferred wrong"
         )
-    return Quality(metric, spec, targets, x)
+    return Quality(metric, spec, targets, x, label_free)
+
+
+# Tasks whose primary metric is a fraction of answers, so FP32's own answers can be the labels
+# (FP32 then scores 100%, and a drop is the share of answers int8 changes). An error metric
+# (RMSE) against FP32's values would be 0 for FP32, and a relative budget on it meaningless.
+LABEL_FREE_KINDS = ("classification", "binary", "multilabel")
+
+
+def fp32_answers(spec: OutputSpec, outputs: np.ndarray) -> np.ndarray:
+    """The class ids (or 0/1 labels) the FP32 model gives: the labels of unlabelled data."""
+    out = np.asarray(outputs)
+    if spec.kind == "classification":
+        return np.argmax(class_scores(out), axis=1)
+    answers = (out.reshape(len(out), -1) >= spec.threshold).astype(np.int64)
+    return answers[:, 0] if spec.kind == "binary" else answers
 
 
 def exact_sensitivity(cal: Calibrated, x: np.ndarray, quality: Quality, progress=None) -> tuple[float, float, list]:
@@ -199,7 +220,10 @@ def load_fp32_with_data(model_path, data: str, verb: str):
         )
     input_shape = tuple(model.input_shape[1:])
     # raw files in the units the model was trained in (run.json), as convert and eval read them
-    dataset = load_dataset(data, input_shape=input_shape, normalization=recorded_normalization(model_path))
+    # labels are optional: without them, a classifier is measured by agreement with FP32
+    dataset = load_dataset(
+        data, input_shape=input_shape, labels_required=False, normalization=recorded_normalization(model_path)
+    )
     dataset.check_fits(input_shape, where=f"model {model_path}")
     return model, dataset
 

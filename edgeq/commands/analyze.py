@@ -270,13 +270,14 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     moved = "layers at 16-bit" if fallback == "int16" else "layers kept float"
     click.echo(
         f"{result.data}: FP32 {result.fp32_accuracy:.2%}, full INT8 {result.int8_accuracy:.2%}, budget {max_drop:g} pp"
+        + (" (no labels: accuracy is top-1 agreement with FP32)" if result.label_free else "")
     )
     click.echo(
         table(
             [moved, "INT4 weights", "accuracy", "drop pp", "size KiB"],
             [
                 (
-                    ", ".join(p.changed) or "(none: full INT8)",
+                    _names(p.changed) or "(none: full INT8)",
                     ", ".join(p.int4_layers) or "-",
                     f"{p.accuracy:.2%}",
                     f"{p.drop_pp:+.2f}",
@@ -294,3 +295,9 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
             f"no plan meets --max-drop {max_drop:g} pp: the best ({len(result.best.changed)} {moved}) "
             f"drops {result.best.drop_pp:.2f} pp; it is saved in {result.path}"
         )
+
+
+def _names(layers, shown: int = 4) -> str:
+    """A few layer names and how many more: a plan of a big model can move hundreds."""
+    more = f" (+{len(layers) - shown} more)" if len(layers) > shown else ""
+    return ", ".join(layers[:shown]) + more
