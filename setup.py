@@ -31,7 +31,7 @@ setup(
     # Reference-model recipes live in the top-level models/ folder and ship inside the
     # package as edgeq.models, so an installed edgeq finds them without the checkout.
     package_dir={"edgeq.models": "models"},
-    package_data={"edgeq.models": ["*.toml"], "edgeq.report": ["templates/*.j2"]},
+    package_data={"edgeq.models": ["*.toml"], "edgeq.reporting": ["templates/*.j2"]},
     # The interpreter is an extra, one of two: an extra can add a requirement but never take one
     # away, so a base that required LiteRT could not give a tflite-runtime device an install
     # without it. A bare `pip install edgeq` says which extra to add when it needs a runtime.

@@ -118,7 +118,7 @@ def recalibrated(calibrated: bytes, x: np.ndarray, method: str, seed: int = 0) -
     replaces each min/max by the range ``method`` picks (edgeq.ranges). Quantizing the
     result then uses edgeq's ranges, with any set of layers left float.
     """
-    from edgeq.train.observe import Observer
+    from edgeq.training.observe import Observer
 
     recorded = tensor_ranges(calibrated)
     with warnings.catch_warnings():  # tf.lite.Interpreter's deprecation; preserve_all_tensors is meant here

@@ -90,6 +90,8 @@ def cli(ctx: click.Context, debug: bool, verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     if verbose:  # keep TensorFlow's own start-up log lines (edgeq.compat hides them otherwise)
         os.environ["EDGEQ_VERBOSE"] = "1"
+    else:  # the terminal shows edgeq's words: TensorFlow starts quietly when a command imports it
+        os.environ.setdefault("EDGEQ_QUIET_TF", "1")
 
 
 def main() -> None:

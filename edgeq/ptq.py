@@ -20,8 +20,8 @@ import numpy as np
 from edgeq.compat import keras
 from edgeq.numerics import weight_codes, weight_error
 from edgeq.ranges import activation_range, weight_ranges
-from edgeq.train import schemes
-from edgeq.train.observe import (
+from edgeq.training import schemes
+from edgeq.training.observe import (
     activation_points,
     by_suffix,
     observe,

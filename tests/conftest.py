@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
     """digits-cnn trained as the recipe says: FP32 then 8-bit QAT."""
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.training.fit import TrainConfig, train
 
     out = tmp_path_factory.mktemp("digits") / "run"
     return train(TrainConfig(model="digits-cnn", out_dir=str(out), data="digits"))
@@ -52,7 +52,7 @@ def digits_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def digits_int8(digits_run):
     """The QAT model converted with --int8-only."""
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
 
     return convert(digits_run.qat_model, digits_run.out_dir / "digits_int8.tflite", ConvertOptions(mode="int8-only"))
 
@@ -83,7 +83,7 @@ def detector(tmp_path_factory):
 @pytest.fixture
 def finetune(digits_run):
     """QAT (no FP32 epochs) from the trained digits FP32 model, with the given options."""
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.training.fit import TrainConfig, train
 
     def run(out_dir, **options):
         return train(

@@ -7,8 +7,8 @@ import pytest
 
 from edgeq.compat import keras
 from edgeq.data import load_dataset
-from edgeq.evaluate import evaluate
-from edgeq.train.fit import _compile
+from edgeq.evaluation import evaluate
+from edgeq.training.fit import _compile
 from tests.conftest import assert_one_line_error
 
 OUTLIER_CHANNEL, OUTLIER_FACTOR = 3, 1000.0
@@ -47,7 +47,7 @@ def outlier_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def outlier_sensitivity(outlier_model):
-    from edgeq.analyze.sensitivity import analyze_sensitivity
+    from edgeq.analysis.sensitivity import analyze_sensitivity
 
     return analyze_sensitivity(outlier_model, "digits", samples=100)
 
@@ -255,7 +255,7 @@ def test_blockwise_int4_says_which_weights_stayed_float(cli, digits_run, tmp_pat
 
 
 def test_qat_4bit_export_stores_packed_int4_weights(digits_run, finetune, tmp_path):
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.runtime.flatbuffer import bytes_by_dtype, read_tflite, tensors_by_dtype
 
     run = finetune(tmp_path / "w4", qat_epochs=1, weight_bits=4)
@@ -270,7 +270,7 @@ def test_qat_4bit_export_stores_packed_int4_weights(digits_run, finetune, tmp_pa
 
 @pytest.mark.parametrize("granularity", ["per-tensor", "per-channel"])
 def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granularity):
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.model_io import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
 
@@ -288,7 +288,7 @@ def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granula
 
 
 def test_equalize_reduces_int8_output_error_on_unbalanced_channels(outlier_model, tmp_path):
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.model_io import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
 
@@ -342,7 +342,7 @@ def test_int4_plan_feeds_qat_which_exports_packed_int4_exactly_there(cli, digits
         out,
     )
     assert trained.exit_code == 0, trained.output
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.runtime.flatbuffer import read_tflite, tensors_by_dtype
 
     tfl = convert(out / "qat.h5", tmp_path / "mixed.tflite", ConvertOptions(mode="int8-only"))
@@ -375,7 +375,7 @@ def test_analyze_reads_raw_data_in_the_units_the_model_was_trained_in(digits_run
     its run.json records, as convert and eval do (it took 1/255 before, 16x too small)."""
     from sklearn.datasets import load_digits
 
-    from edgeq.analyze.sensitivity import load_fp32_with_data
+    from edgeq.analysis.sensitivity import load_fp32_with_data
 
     bunch = load_digits()
     np.savez(tmp_path / "raw.npz", x=bunch.images.astype(np.uint8), y=bunch.target)

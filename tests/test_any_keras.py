@@ -103,7 +103,7 @@ def test_tf_ops_become_builtin_layers_with_the_same_outputs():
 
 def test_separable_conv_is_split_under_names_qat_weights_find_their_way_back_to():
     """NASNet's SeparableConv2D: TF-MOT splits it under generated names; edgeq splits it first."""
-    from edgeq.train.schemes import QuantSettings, build_qat_model, copy_float_weights
+    from edgeq.training.schemes import QuantSettings, build_qat_model, copy_float_weights
 
     L = tf_keras.layers
     inputs = tf_keras.Input((8, 8, 3))
@@ -136,8 +136,8 @@ def mobilenetv3_like_block():
 
 
 def test_mobilenetv3_parts_qat_convert_integer_only(tmp_path):
-    from edgeq.convert import ConvertOptions, convert
-    from edgeq.train.schemes import QuantSettings, build_qat_model, float_layers
+    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.training.schemes import QuantSettings, build_qat_model, float_layers
 
     model = mobilenetv3_like_block()
     qat = build_qat_model(model, QuantSettings())
@@ -183,7 +183,7 @@ def test_model_qat_cannot_take_fails_before_training(cli, tmp_path, kind):
     model = tf_keras.Model(inputs, L.Dense(10)(x))
     if kind == "custom":  # a custom class does not reload without its code: train it through the API
         from edgeq.errors import UnsupportedLayerError
-        from edgeq.train.schemes import QuantSettings, build_qat_model
+        from edgeq.training.schemes import QuantSettings, build_qat_model
 
         with pytest.raises(UnsupportedLayerError, match="'scale' \\(Scale: a custom layer\\)"):
             build_qat_model(model, QuantSettings())
@@ -200,8 +200,8 @@ def test_model_qat_cannot_take_fails_before_training(cli, tmp_path, kind):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_keras3_architecture_qat_int8_only_passes_verification(tmp_path, arch):
     """The issue's table: a Keras 3 keras.applications model -> 1-epoch QAT -> integer-only, verified."""
-    from edgeq.convert import ConvertOptions, convert
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.training.fit import TrainConfig, train
 
     path = tmp_path / f"{arch}.keras"
     getattr(keras.applications, arch)(weights=None, input_shape=(32, 32, 3), classes=10).save(path)
@@ -226,9 +226,9 @@ ZOO_KERAS3 = [
 def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, arch, shape, data):
     """Keras 3 zoo model: translation within 1e-5, 1-epoch QAT, integer-only int8 that passes verification."""
     from edgeq import zoo
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.keras3 import to_tf_keras
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.training.fit import TrainConfig, train
     from tests.test_keras3 import assert_same_model, randomize_statistics
 
     classes = 12 if arch == "ds-cnn" else 10
@@ -254,10 +254,10 @@ def test_input_preprocessing_ranges_come_from_the_data_so_qat_does_not_collapse(
     and training-mode batch norms blow the gradients up to NaN (Keras 3 EfficientNetB0
     diverged in its second QAT batch). edgeq sets those ranges from data.
     """
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.model_io import load_keras_model
-    from edgeq.train.fit import TrainConfig, train
-    from edgeq.train.observe import suffix
+    from edgeq.training.fit import TrainConfig, train
+    from edgeq.training.observe import suffix
 
     L = keras.layers
     inputs = keras.Input((16, 16, 3))

@@ -7,7 +7,7 @@ import pytest
 
 from edgeq.commands.convert import MODE_FLAGS
 from edgeq.compat import keras, tf
-from edgeq.convert import MODES, ConvertOptions, Mode, convert
+from edgeq.conversion import MODES, ConvertOptions, Mode, convert
 from edgeq.errors import IntegerOnlyError, UsageError
 from edgeq.runtime.interpreter import TFLiteModel
 from tests.conftest import assert_one_line_error

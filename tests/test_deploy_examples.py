@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from edgeq.commands.train import train
-from edgeq.train.distribute import cluster_config
+from edgeq.training.distribute import cluster_config
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "distributed"
 

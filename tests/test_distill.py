@@ -100,8 +100,8 @@ def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run, tmp_pa
     interval is a paired one around the difference."""
     import shutil
 
-    from edgeq.analyze.qat_gain import compare_run, summary
-    from edgeq.evaluate import evaluate
+    from edgeq.analysis.qat_gain import compare_run, summary
+    from edgeq.evaluation import evaluate
 
     out = tmp_path / "run"
     shutil.copytree(digits_run.out_dir, out)
@@ -124,7 +124,7 @@ def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run, tmp_pa
 
 
 def test_paired_interval_sees_a_real_difference_and_none_where_there_is_none():
-    from edgeq.analyze.qat_gain import paired_interval
+    from edgeq.analysis.qat_gain import paired_interval
 
     rng = np.random.default_rng(1)
     truth = rng.integers(0, 2, 2000)

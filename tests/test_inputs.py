@@ -35,7 +35,7 @@ def test_quantize_rounds_as_litert_itself_does(digits_run, tmp_path):
     exact halves included (to even); LiteRT's reference kernel rounds halves away from zero."""
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
 
     out = tmp_path / "float_io.tflite"
     convert(digits_run.fp32_model, out, ConvertOptions(mode="int8", calib="digits"))
@@ -72,7 +72,7 @@ def test_quantize_rounds_as_litert_itself_does(digits_run, tmp_path):
 
 def _inputs_of_every_consumer(model_path, run_qat_model, data_file):
     """The model-input bytes each consumer would feed for ``data_file`` (test split where it splits)."""
-    from edgeq.convert import _calibration
+    from edgeq.conversion import _calibration
     from edgeq.data import load_dataset
     from edgeq.fleet.remote import quantized_inputs
     from edgeq.runtime.inputs import normalization_beside
@@ -109,7 +109,7 @@ def test_raw_uint8_and_float_files_give_the_same_model_inputs_everywhere(digits_
 
 
 def test_eval_and_profile_give_the_same_numbers_for_raw_and_float_files(cli, digits_run, digits_int8, digits_files):
-    from edgeq.evaluate import evaluate
+    from edgeq.evaluation import evaluate
     from edgeq.runtime.profile import profile_model
 
     raw = evaluate(digits_int8.path, digits_run.fp32_model, f"npz:{digits_files['raw']}")

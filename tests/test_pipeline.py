@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from edgeq.data import load_dataset
-from edgeq.evaluate import evaluate
+from edgeq.evaluation import evaluate
 from edgeq.model_io import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel
 

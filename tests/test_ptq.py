@@ -77,7 +77,7 @@ def _sqnr_vs(reference, got):
 
 
 def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digits_run, tmp_path):
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
     from edgeq.ptq import RangeCalibration
@@ -103,7 +103,7 @@ def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digi
 
 
 def test_the_chosen_ranges_are_the_ranges_in_the_tflite(digits_run, tmp_path):
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
     from edgeq.ptq import RangeCalibration
@@ -239,7 +239,7 @@ def _int8_kernels(path):
 
 
 def test_chosen_rounding_reaches_the_tflite_as_those_int8_values(digits_run, tmp_path):
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
     from edgeq.ptq import RangeCalibration
@@ -305,8 +305,8 @@ def test_rounding_needs_edgeqs_ranges(cli, digits_run, tmp_path):
 
 def test_qat_starts_from_calibrated_activation_ranges_not_tfmots_default():
     from edgeq.compat import keras
-    from edgeq.train.observe import activation_points, initialize_ranges
-    from edgeq.train.schemes import QuantSettings, build_qat_model
+    from edgeq.training.observe import activation_points, initialize_ranges
+    from edgeq.training.schemes import QuantSettings, build_qat_model
 
     L = keras.layers
     inputs = keras.Input((8, 8, 1))
@@ -328,8 +328,8 @@ def test_qat_starts_with_one_range_per_concatenation_chain():
     """QAT's calibrated start (--init-ranges) gives a concatenation and its inputs one range, as
     PTQ does, so the QAT model does not start with a requantization at each concatenation."""
     from edgeq.compat import keras
-    from edgeq.train.observe import activation_points, initialize_ranges
-    from edgeq.train.schemes import QuantSettings, build_qat_model
+    from edgeq.training.observe import activation_points, initialize_ranges
+    from edgeq.training.schemes import QuantSettings, build_qat_model
 
     L = keras.layers
     inputs = keras.Input((8, 8, 1))
@@ -410,7 +410,7 @@ def test_concatenations_get_one_range_so_the_converter_adds_no_requantization(tm
     the converter inserted a QUANTIZE op (a second rounding) where they differ; edgeq gives
     the chain one range, the union, as the converter's own calibration does."""
     from edgeq.compat import keras
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.ptq import RangeCalibration
     from edgeq.runtime.flatbuffer import read_tflite
 
@@ -467,7 +467,7 @@ def test_an_average_pooling_into_a_concatenation_gets_the_converters_ranges(tmp_
     as the converter's own calibration does: no QUANTIZE op, and the same scales as the
     converter's minmax (before, the conv's own wider range widened the chain by 19%)."""
     from edgeq.compat import keras
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
 
     layers = keras.layers
     keras.utils.set_random_seed(0)
@@ -525,7 +525,7 @@ def test_hard_swish_stays_add_mul_so_xnnpack_runs_the_model_in_one_partition(tmp
     that fuses it (tried: one Keras layer, one fake-quant) fails here."""
     from ai_edge_litert.interpreter import Interpreter
 
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
 
     model = _mobilenet_v3_like()
     samples = np.random.default_rng(0).normal(0, 1, (300, 16, 16, 3)).astype(np.float32)
@@ -550,7 +550,7 @@ def test_the_range_observer_keeps_a_uniform_sample_in_bounded_memory(monkeypatch
     """Calibration adds one sample at a time: 400 adds of 1,000 values with a cap of 2,000.
     The sample stays at the cap, and each add's share of it is its share of the values seen
     (the old one grew by 1/8 of each add past the cap, and kept the first adds 8x as often)."""
-    from edgeq.train import observe
+    from edgeq.training import observe
 
     monkeypatch.setattr(observe, "_SAMPLE_CAP", 2000)
     observer = observe.Observer(np.random.default_rng(0))

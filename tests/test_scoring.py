@@ -67,7 +67,7 @@ def test_a_head_of_shape_1x1xk_is_scored_per_sample_and_an_image_output_is_refus
     mean over N x N pairs); an output with no class axis has no accuracy: one line, not a number."""
     from edgeq.compat import keras
     from edgeq.data import load_dataset
-    from edgeq.evaluate import evaluate
+    from edgeq.evaluation import evaluate
 
     rng = np.random.default_rng(1)
     x = rng.uniform(0, 1, (300, 4, 4, 1)).astype(np.float32)

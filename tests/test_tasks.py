@@ -106,7 +106,7 @@ def test_outputs_the_converter_reorders_are_matched_by_name(tmp_path):
     order than the model (checked), yet each is read and verified as the Keras output of its name
     (matched by position, each would carry another head's values)."""
     from edgeq.compat import keras
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.model_io import keras_outputs
     from edgeq.runtime.interpreter import TFLiteModel
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from edgeq.compat import keras, tf
-from edgeq.convert import ConvertOptions, convert
+from edgeq.conversion import ConvertOptions, convert
 from edgeq.data import load_dataset
 from edgeq.model_io import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel
-from edgeq.train.fit import TrainConfig, _compile, train
+from edgeq.training.fit import TrainConfig, _compile, train
 from tests.conftest import assert_one_line_error
 
 
@@ -96,7 +96,7 @@ def test_stepped_schedule_runs_and_reports_each_stage(cli, digits_run, tmp_path)
 
 
 def test_stepped_8bit_quantizes_layer_groups_from_the_input(digits_run, finetune, tmp_path):
-    from edgeq.train import schemes
+    from edgeq.training import schemes
 
     model = load_keras_model(digits_run.fp32_model)
     names = schemes.quantizable_layer_names(model)
@@ -335,7 +335,7 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
 
 def test_conv_followed_by_relu_layer_keeps_4bit_weight_quantization(tmp_path):
     """TF-MOT alone would train these weights in float (its ReLU transform drops them)."""
-    from edgeq.train import schemes
+    from edgeq.training import schemes
 
     L = keras.layers
     inputs = L.Input((8, 8, 1))
@@ -365,7 +365,7 @@ def test_conv_followed_by_relu_layer_keeps_4bit_weight_quantization(tmp_path):
 
 def test_qat_stage_keeps_the_float_models_loss(digits_run):
     """A QAT model ends in a wrapper: its softmax must still be seen (no softmax applied twice)."""
-    from edgeq.train import schemes
+    from edgeq.training import schemes
 
     model = load_keras_model(digits_run.fp32_model)
     qat = schemes.build_qat_model(model, schemes.QuantSettings(weight_bits=4))
@@ -494,8 +494,8 @@ def test_sigkill_at_random_moments_then_resume_finishes_losing_at_most_one_epoch
 def test_resume_restores_the_optimizer_state(tmp_path):
     """Adam's step count and moments come back from the checkpoint, not from zero."""
     from edgeq import zoo
-    from edgeq.train.fit import _Run, restore_checkpoint
-    from edgeq.train.schedule import make_schedule
+    from edgeq.training.fit import _Run, restore_checkpoint
+    from edgeq.training.schedule import make_schedule
 
     d = load_dataset("digits")
     model = zoo.build("digits-cnn", d.input_shape, 10)

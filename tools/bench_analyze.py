@@ -14,7 +14,7 @@ EXACT_LAYERS = 4  # exact sensitivity is timed on this many layers and reported 
 
 def measure() -> dict:
     from edgeq import zoo
-    from edgeq.analyze.sensitivity import fast_sensitivity
+    from edgeq.analysis.sensitivity import fast_sensitivity
     from edgeq.calibration import calibrate, predict
     from edgeq.compat import keras, tf
     from edgeq.data import load_dataset

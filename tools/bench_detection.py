@@ -41,13 +41,13 @@ def _bootstrap(decoded: dict, truth, size, classes, seed: int = 0) -> dict:
 
 
 def run() -> str:
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.detection import DetectionSpec, decode, mean_average_precision
     from edgeq.model_io import keras_outputs, load_user_model
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import profile_model
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.training.fit import TrainConfig, train
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

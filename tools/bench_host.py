@@ -25,7 +25,7 @@ CASES = (
 
 
 def _epoch_seconds(model, dataset, epochs: int, batch_size: int = 32) -> float:
-    from edgeq.train.fit import _compile
+    from edgeq.training.fit import _compile
 
     _compile(model, 1e-4)
     model.fit(dataset.x_train, dataset.y_train, epochs=1, batch_size=batch_size, verbose=0)  # trace + warm-up
@@ -54,9 +54,9 @@ def _bare_convert_seconds(model, dataset, samples: int) -> float:
 def measure() -> list[dict]:
     from edgeq import zoo
     from edgeq.compat import keras
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
-    from edgeq.train.schemes import QuantSettings, build_qat_model
+    from edgeq.training.schemes import QuantSettings, build_qat_model
 
     rows = []
     for name, arch, data, options, epochs, samples in CASES:

@@ -5,7 +5,7 @@ The photo task is bench_ptq's (crops of scikit-learn's two sample photos labelle
 random CNN), 6,000 samples, so the test split holds 1,200. Each architecture is trained from
 scratch at 32x32 as bench_ptq trains it; every quantized model is then scored on the test split
 against the FP32 model on the same samples: accuracy, the paired difference with a bootstrap 95%
-interval (edgeq.analyze.qat_gain.paired_interval, 1,000 resamples), size, single-thread latency
+interval (edgeq.analysis.qat_gain.paired_interval, 1,000 resamples), size, single-thread latency
 on this CPU (edgeq's profile, LiteRT), and for the mixed model the share of ops at 16-bit.
 
 `python tools/bench.py --only mixed` (EDGEQ_BENCH_MIXED_ARCHS=EfficientNetB0,... to choose).
@@ -52,7 +52,7 @@ def _fp32(name: str, data: str, folder: Path) -> Path:
 
 def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict:
 
-    from edgeq.analyze.qat_gain import paired_interval
+    from edgeq.analysis.qat_gain import paired_interval
     from edgeq.runtime.flatbuffer import read_tflite
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import profile_model
@@ -80,11 +80,11 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
     import numpy as np
     from bench_ptq import RAW_PIXELS
 
-    from edgeq.analyze.plan import make_plan
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.analysis.plan import make_plan
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.training.fit import TrainConfig, train
 
     data = raw if name in RAW_PIXELS else photos
     d = load_dataset(data)

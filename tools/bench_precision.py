@@ -30,9 +30,9 @@ class PrecisionRow:
 def precision_table(
     model: str, workdir: str | Path, data: str | None = None, epochs: int | None = None, qat_epochs: int | None = None
 ) -> list[PrecisionRow]:
-    from edgeq.convert import ConvertOptions, convert
-    from edgeq.evaluate import evaluate
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.evaluation import evaluate
+    from edgeq.training.fit import TrainConfig, train
 
     workdir = Path(workdir)
     base = train(

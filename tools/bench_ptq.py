@@ -79,7 +79,7 @@ def _models(tmp: Path):
         path = tmp / f"{name}.keras"
         model.save(path)
         yield name, path, data
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.training.fit import TrainConfig, train
 
     run = train(TrainConfig(model="digits-cnn", data="digits", out_dir=str(tmp / "digits")))
     yield "digits-cnn (trained)", run.fp32_model, "digits"
@@ -112,7 +112,7 @@ def input_only_ceiling(path, data) -> float:
 
 
 def _convert(path, data, out, **options) -> dict:
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
     from edgeq.errors import EdgeqError
 
     start = time.perf_counter()
@@ -264,8 +264,8 @@ def teacher_photos(folder: Path, n: int = 3000, size: int = 32, classes: int = 1
 
 def harder_trained() -> dict:
     """resnet8 trained on the teacher-labelled photo crops; FP32 vs int8 test accuracy, converter vs auto."""
-    from edgeq.evaluate import evaluate
-    from edgeq.train.fit import TrainConfig, train
+    from edgeq.evaluation import evaluate
+    from edgeq.training.fit import TrainConfig, train
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -305,7 +305,7 @@ def trained_architectures() -> list[dict]:
     """
     from edgeq.compat import keras
     from edgeq.data import load_dataset
-    from edgeq.evaluate import evaluate
+    from edgeq.evaluation import evaluate
     from edgeq.ranges import ACTIVATION_METHODS
 
     rows = []

@@ -38,7 +38,7 @@ def weights(model, json_path, csv_path, plots_dir, data, calib_samples, seed):
     """Per-layer weight statistics of MODEL (Keras or .tflite) and the error of each
     quantization choice: INT8/INT4, per-tensor/per-channel, symmetric/asymmetric,
     nearest/stochastic rounding (and AdaRound with --data). Most outlier-heavy layer first."""
-    from edgeq.analyze.weights import analyze_weights, rounding_errors, save_histograms
+    from edgeq.analysis.weights import analyze_weights, rounding_errors, save_histograms
     from edgeq.artifacts import atomic_path, write_json_atomic
 
     reports = analyze_weights(model, seed)
@@ -106,7 +106,7 @@ def weights(model, json_path, csv_path, plots_dir, data, calib_samples, seed):
     if json_path:
         from dataclasses import asdict
 
-        document = {"kind": "edgeq.analyze.weights", "model": str(model), "layers": [r.to_dict() for r in reports]}
+        document = {"kind": "edgeq.analysis.weights", "model": str(model), "layers": [r.to_dict() for r in reports]}
         if plots_dir:  # where the histograms are, for `edgeq report`
             document["plots"] = str(plots_dir)
         if rounding:
@@ -170,7 +170,7 @@ def weights(model, json_path, csv_path, plots_dir, data, calib_samples, seed):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Bar chart PNG of the ranking.")
 def sensitivity(model, data, method, calib_samples, split, granularity, ranges, json_path, plot_path):
     """Rank the layers of FP32 MODEL by how much INT8 quantization of each one costs."""
-    from edgeq.analyze.sensitivity import analyze_sensitivity, save_bar_chart
+    from edgeq.analysis.sensitivity import analyze_sensitivity, save_bar_chart
     from edgeq.artifacts import write_json_atomic
 
     report = analyze_sensitivity(model, data, method, calib_samples, split, granularity == "per-tensor", ranges=ranges)
@@ -252,7 +252,7 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     --fallback int16 16-bit activations) until the accuracy drop is within --max-drop.
     The best plan is always saved; use it with `edgeq convert MODEL --int8 --plan PLAN`
     (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`."""
-    from edgeq.analyze.plan import make_plan, save_frontier_chart
+    from edgeq.analysis.plan import make_plan, save_frontier_chart
     from edgeq.errors import QualityGateError
 
     result = make_plan(

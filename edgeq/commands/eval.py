@@ -33,7 +33,7 @@ def eval_command(model, reference, data, split, max_drop, json_path, task):
     import json
 
     from edgeq.artifacts import write_json_atomic
-    from edgeq.evaluate import check_gate, evaluate
+    from edgeq.evaluation import check_gate, evaluate
 
     r = evaluate(model, reference, data, split, max_drop, task)
     if json_path == "-":

@@ -70,8 +70,8 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
     assert " ok " in lines["x86-venv"] and " ok " in lines["pi4-emu"]
 
     # the fleet section of `edgeq report`: one row per device, the device's own numbers
-    from edgeq.report import collect
-    from edgeq.report.build import render
+    from edgeq.reporting import collect
+    from edgeq.reporting.build import render
 
     _, context = render(collect([tmp_path / "results"]))
     rows = {r["device"]: r for r in context["fleet"]}
@@ -124,8 +124,8 @@ def test_verify_int8_bit_exact_on_aarch64_and_x86(cli, fleet, tmp_path):
     saved = {d["device"]: d for d in json.loads(out.read_text())["devices"]}
     assert saved["pi4-emu"]["bit_exact"] and saved["pi4-emu"]["samples"] == 64 and saved["x86-venv"]["status"] == "ok"
 
-    from edgeq.report import collect
-    from edgeq.report.build import render
+    from edgeq.reporting import collect
+    from edgeq.reporting.build import render
 
     html, context = render(collect([out]))
     assert context["verdict"]["status"] == "pass"

@@ -42,7 +42,7 @@ def paired_interval(scores, a: np.ndarray, b: np.ndarray, resamples: int = RESAM
 
 
 def _convert(source: Path, out: Path) -> dict:
-    from edgeq.convert import ConvertOptions, convert
+    from edgeq.conversion import ConvertOptions, convert
 
     try:
         result = convert(source, out, ConvertOptions(mode="int8-only"))
@@ -65,7 +65,7 @@ def compare_run(out_dir: str | Path) -> dict | None:
     from edgeq.metrics import predicted_classes
     from edgeq.model_io import keras_outputs, load_user_model, recorded_normalization
     from edgeq.tasks import OutputSpec
-    from edgeq.train.distill import NO_LABELS
+    from edgeq.training.distill import NO_LABELS
 
     out_dir = Path(out_dir)
     run = json.loads((out_dir / "run.json").read_text(encoding="utf-8"))

@@ -19,7 +19,7 @@ from edgeq.quantize_configs import (
     SameScaleQuantizeConfig,
     WeightsOnlyQuantizeConfig,
 )
-from edgeq.train.layer_config import LayerPrecision
+from edgeq.training.layer_config import LayerPrecision
 from edgeq.transforms.tfops import replace_tf_ops
 
 _q = tfmot.quantization.keras

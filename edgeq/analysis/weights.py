@@ -234,7 +234,7 @@ def rounding_errors(
     Weight error alone favours nearest by construction; AdaRound trades weight error for
     output error, which is what the next layer sees.
     """
-    from edgeq.analyze.sensitivity import load_fp32_with_data
+    from edgeq.analysis.sensitivity import load_fp32_with_data
     from edgeq.compat import keras
     from edgeq.numerics import weight_codes, weight_error
     from edgeq.transforms.adaround import ADAROUND_LAYERS, adaround, kernel_name, kernel_scale, output_mse

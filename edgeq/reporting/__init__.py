@@ -6,7 +6,7 @@ inline, so that it opens anywhere, offline, and can be sent on. No TensorFlow: a
 is made from files, on any machine that has them.
 """
 
-from edgeq.report.build import ReportResult, build_report
-from edgeq.report.sources import Sources, collect
+from edgeq.reporting.build import ReportResult, build_report
+from edgeq.reporting.sources import Sources, collect
 
 __all__ = ["ReportResult", "Sources", "build_report", "collect"]

@@ -49,11 +49,11 @@ from edgeq.model_io import (
     with_input_shape,
 )
 from edgeq.tasks import score, task
-from edgeq.train import distill, distribute, pipeline, schemes
-from edgeq.train.layer_config import LayerConfig, LayerPrecision
-from edgeq.train.objectives import check_targets, compile_for, objectives, target_plan, with_detection_targets
-from edgeq.train.observe import initialize_ranges, input_preprocessing
-from edgeq.train.schedule import Stage, make_schedule
+from edgeq.training import distill, distribute, pipeline, schemes
+from edgeq.training.layer_config import LayerConfig, LayerPrecision
+from edgeq.training.objectives import check_targets, compile_for, objectives, target_plan, with_detection_targets
+from edgeq.training.observe import initialize_ranges, input_preprocessing
+from edgeq.training.schedule import Stage, make_schedule
 from edgeq.transforms.fold import fold_batchnorm, needs_fold_before_qat
 from edgeq.transforms.tfops import replace_tf_ops
 
@@ -87,7 +87,7 @@ class TrainConfig:
     loss: str | None = None  # --loss LOSS | NAME=LOSS,...; None: the model file's compile config, else the task's
     input_shape: str | None = None  # --input-shape HxWxC: fixes a fully convolutional model's free dimensions
     distill: bool = False  # QAT learns the FP32 model's outputs (always when the data has no labels)
-    # tf.distribute (edgeq.train.distribute); these describe this process, not the run, so
+    # tf.distribute (edgeq.training.distribute); these describe this process, not the run, so
     # --resume takes them from the command line, not from the saved options
     strategy: str = "default"
     replicas: int | None = None
@@ -536,7 +536,7 @@ def _stage_metric(
 def train(config: TrainConfig, resume: bool = False, force: bool = False, progress: bool = False) -> TrainResult:
     """FP32 training then QAT stages, writing models, history and run record to out_dir.
 
-    Under ``config.strategy`` (edgeq.train.distribute) every stage runs in the strategy's
+    Under ``config.strategy`` (edgeq.training.distribute) every stage runs in the strategy's
     scope; in a multi-worker run each worker calls this with the same options, and only
     the chief writes into out_dir.
     """

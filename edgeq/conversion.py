@@ -382,11 +382,11 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     for float ops in an integer-only model) and leaves nothing on disk when it fails.
     """
     from edgeq.model_io import as_tf_keras, concatenated_outputs, input_shapes, output_specs, with_input_shape
-    from edgeq.train.schemes import is_qat_model
+    from edgeq.training.schemes import is_qat_model
 
     options = options or ConvertOptions()
     spec = options.spec
-    calib, calib_samples, granularity = options.calib, options.calib_samples, options.granularity
+    calib, calib_samples = options.calib, options.calib_samples
     io_type, equalize, plan, bias_correct = options.io_type, options.equalize, options.plan, options.bias_correct
     keras_model, source_path = _load_source(model)
     source_name = str(source_path) if source_path else keras_model.name
@@ -437,41 +437,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     hint = _input_rescaling_hint(keras_model, dataset, calib_samples) if dataset is not None and single_io else None
     if hint:
         notes.append(hint)
-    if equalize:
-        from edgeq.transforms.equalize import equalized_copy
-
-        x_equalize = dataset.calibration_samples(calib_samples) if dataset is not None else None
-        keras_model, pairs = equalized_copy(keras_model, x_equalize)
-        if pairs:
-            worst = max(pairs, key=lambda p: p.range_spread_before)
-            notes.append(
-                f"equalized {len(pairs)} layer pair(s); largest channel-range spread {worst.first}: "
-                f"{worst.range_spread_before:.1f}x -> {worst.range_spread_after:.1f}x"
-            )
-        else:
-            notes.append("--equalize found no layer pairs (needs Conv/Dense -> ReLU/ReLU6/pool -> Conv/Dense)")
-    if bias_correct and dataset is not None:
-        from edgeq.transforms.bias_correction import correct_biases
-        from edgeq.transforms.fold import fold_batchnorm
-
-        if not equalize:  # equalized_copy has folded BN into a copy already
-            folded = fold_batchnorm(keras_model)
-            if folded is keras_model:  # nothing to fold: correct a copy, never the caller's model
-                from edgeq.compat import keras
-
-                folded = keras.models.clone_model(keras_model)
-                folded.set_weights(keras_model.get_weights())
-            keras_model = folded
-        keep = frozenset(_plan_float_layers(keras_model, plan)) if plan else frozenset()
-        x_bias = dataset.calibration_samples(calib_samples)
-        shifts = correct_biases(keras_model, x_bias, granularity == "per-tensor", keep)
-        if shifts:
-            worst = max(shifts, key=lambda s: s.max_abs_shift)
-            notes.append(
-                f"bias-corrected {len(shifts)} layer(s); largest shift {worst.max_abs_shift:.3g} in {worst.layer}"
-            )
-        else:
-            notes.append("--bias-correct found no Conv/Dense layer with a bias to correct")
+    keras_model = _pretransformed(keras_model, dataset, options, notes)
     if spec.calibrate and dataset is None:
         if is_qat:
             raise UsageError(
@@ -495,31 +461,8 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     # Held-out samples: a --ptq search chooses on one part, verification gates on another.
     held = dataset.held_out(VERIFY_SAMPLES, select=VERIFY_SAMPLES if searching and not plan else 0) if dataset else None
     started = time.perf_counter()
-    ptq_record = None
-    try:
-        if plan:
-            ranges = _plan_ranges(plan, options.ptq)
-            flatbuffer = _convert_with_plan(
-                keras_model, plan, dataset, calib_samples, granularity, ranges, notes, spec.mode == Mode.INT8_ONLY
-            )
-            ptq_record = {"requested": options.ptq, "chosen": ranges, "plan": str(plan), "candidates": []}
-        elif spec.backend == "aeq":
-            flatbuffer = _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
-        elif searching:
-            flatbuffer, ptq_record = _convert_searching_ranges(
-                keras_model, reference_model, spec, dataset, options, held
-            )
-            notes.append(ptq_record.pop("note"))
-        else:
-            flatbuffer, fused = _convert_tflite(keras_model, spec, dataset, options, is_qat)
-            if fused:
-                notes.append(
-                    f"fused {fused} DEQUANTIZE->QUANTIZE pair(s) the converter left into integer requantize ops"
-                )
-    except (UsageError, DataError):
-        raise
-    except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
-        raise _converter_error(exc, spec, source_name) from exc
+    route = {"searching": searching, "is_qat": is_qat, "source_name": source_name}
+    flatbuffer, ptq_record = _quantize(keras_model, reference_model, spec, dataset, options, held, route, notes)
     seconds = time.perf_counter() - started
 
     tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
@@ -531,8 +474,39 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         if hint:  # the likeliest cause of a failed verification, said in the same line
             raise ConversionError(f"{exc}. Note: {hint}") from exc
         raise
-    op_counts = dict(Counter(op.op_name for op in tflite.ops()))
+    manifest = _manifest(
+        out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes,
+        {"source_path": source_path, "is_qat": is_qat, "ptq": ptq_record, "seconds": seconds, "model": keras_model},
+    )  # fmt: skip
+    op_counts = manifest["ops"]
+    _commit(out, flatbuffer, manifest, notes, options.edgetpu)
+    return ConversionResult(
+        path=out,
+        manifest=manifest_path(out),
+        mode=spec.mode.value,
+        size_bytes=len(flatbuffer),
+        seconds=round(seconds, 3),
+        sha256=manifest["sha256"],
+        input=manifest["input"],
+        output=manifest["output"],
+        outputs=tuple(manifest["outputs"]),
+        ops=op_counts,
+        verification=verification,
+        source_is_qat=is_qat,
+        notes=tuple(notes),
+        edgetpu=manifest.get("edgetpu"),
+    )
 
+
+def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes, run) -> dict:
+    """What the model's manifest records: the contract a device reads, how it was made, what was verified.
+
+    ``run``: the conversion's own facts (``source_path``, ``is_qat``, ``ptq``, ``seconds``, ``model``).
+    """
+    source_path, is_qat, ptq_record, seconds = run["source_path"], run["is_qat"], run["ptq"], run["seconds"]
+    keras_model, plan, granularity = run["model"], options.plan, options.granularity
+    equalize, io_type, calib_samples = options.equalize, options.io_type, options.calib_samples
+    op_counts = dict(Counter(op.op_name for op in tflite.ops()))
     if dataset is not None:
         normalization = dataset.normalization
     else:
@@ -593,23 +567,93 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         "notes": notes,
         "provenance": provenance(),
     }
-    _commit(out, flatbuffer, manifest, notes, options.edgetpu)
-    return ConversionResult(
-        path=out,
-        manifest=manifest_path(out),
-        mode=spec.mode.value,
-        size_bytes=len(flatbuffer),
-        seconds=round(seconds, 3),
-        sha256=manifest["sha256"],
-        input=manifest["input"],
-        output=manifest["output"],
-        outputs=tuple(manifest["outputs"]),
-        ops=op_counts,
-        verification=verification,
-        source_is_qat=is_qat,
-        notes=tuple(notes),
-        edgetpu=manifest.get("edgetpu"),
-    )
+    return manifest
+
+
+def _pretransformed(keras_model, dataset, options: ConvertOptions, notes: list[str]):
+    """The model after --equalize and --bias-correct (copies; the caller's model is never changed)."""
+    equalize, bias_correct, plan = options.equalize, options.bias_correct, options.plan
+    calib_samples, granularity = options.calib_samples, options.granularity
+    if equalize:
+        from edgeq.transforms.equalize import equalized_copy
+
+        x_equalize = dataset.calibration_samples(calib_samples) if dataset is not None else None
+        keras_model, pairs = equalized_copy(keras_model, x_equalize)
+        if pairs:
+            worst = max(pairs, key=lambda p: p.range_spread_before)
+            notes.append(
+                f"equalized {len(pairs)} layer pair(s); largest channel-range spread {worst.first}: "
+                f"{worst.range_spread_before:.1f}x -> {worst.range_spread_after:.1f}x"
+            )
+        else:
+            notes.append("--equalize found no layer pairs (needs Conv/Dense -> ReLU/ReLU6/pool -> Conv/Dense)")
+    if bias_correct and dataset is not None:
+        from edgeq.transforms.bias_correction import correct_biases
+        from edgeq.transforms.fold import fold_batchnorm
+
+        if not equalize:  # equalized_copy has folded BN into a copy already
+            folded = fold_batchnorm(keras_model)
+            if folded is keras_model:  # nothing to fold: correct a copy, never the caller's model
+                from edgeq.compat import keras
+
+                folded = keras.models.clone_model(keras_model)
+                folded.set_weights(keras_model.get_weights())
+            keras_model = folded
+        keep = frozenset(_plan_float_layers(keras_model, plan)) if plan else frozenset()
+        x_bias = dataset.calibration_samples(calib_samples)
+        shifts = correct_biases(keras_model, x_bias, granularity == "per-tensor", keep)
+        if shifts:
+            worst = max(shifts, key=lambda s: s.max_abs_shift)
+            notes.append(
+                f"bias-corrected {len(shifts)} layer(s); largest shift {worst.max_abs_shift:.3g} in {worst.layer}"
+            )
+        else:
+            notes.append("--bias-correct found no Conv/Dense layer with a bias to correct")
+    return keras_model
+
+
+def _quantize(
+    keras_model, reference_model, spec: ModeSpec, dataset, options: ConvertOptions, held, route: dict, notes
+) -> tuple[bytes, dict | None]:
+    """The flatbuffer, by the one path these options take: a plan, the mode's LiteRT Quantizer backend,
+    edgeq's range search, or one TFLiteConverter run. Returns it and the manifest's PTQ record.
+
+    ``route``: what the source decided (``searching``, ``is_qat``, ``source_name``).
+    """
+    plan, searching, is_qat = options.plan, route["searching"], route["is_qat"]
+    ptq_record = None
+    try:
+        if plan:
+            ranges = _plan_ranges(plan, options.ptq)
+            flatbuffer = _convert_with_plan(
+                keras_model,
+                plan,
+                dataset,
+                options.calib_samples,
+                options.granularity,
+                ranges,
+                notes,
+                spec.mode == Mode.INT8_ONLY,
+            )
+            ptq_record = {"requested": options.ptq, "chosen": ranges, "plan": str(plan), "candidates": []}
+        elif spec.backend == "aeq":
+            flatbuffer = _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
+        elif searching:
+            flatbuffer, ptq_record = _convert_searching_ranges(
+                keras_model, reference_model, spec, dataset, options, held
+            )
+            notes.append(ptq_record.pop("note"))
+        else:
+            flatbuffer, fused = _convert_tflite(keras_model, spec, dataset, options, is_qat)
+            if fused:
+                notes.append(
+                    f"fused {fused} DEQUANTIZE->QUANTIZE pair(s) the converter left into integer requantize ops"
+                )
+    except (UsageError, DataError):
+        raise
+    except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
+        raise _converter_error(exc, spec, route["source_name"]) from exc
+    return flatbuffer, ptq_record
 
 
 def _precision_counts(flatbuffer: bytes) -> dict[str, int]:
@@ -798,7 +842,7 @@ def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str])
     are converted with 16x8 post-training quantization instead.
     """
     from edgeq.model_io import QAT_FLOAT_NAME, load_user_model
-    from edgeq.train.schemes import activation_bits_of
+    from edgeq.training.schemes import activation_bits_of
 
     if 16 not in activation_bits_of(keras_model):
         return keras_model, True
@@ -852,7 +896,7 @@ def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes:
 
 
 def _plan_resolved(keras_model, plan) -> dict:
-    from edgeq.train.layer_config import LayerConfig, LayerPrecision
+    from edgeq.training.layer_config import LayerConfig, LayerPrecision
 
     return LayerConfig.load(plan).resolve([layer.name for layer in keras_model.layers], LayerPrecision())
 

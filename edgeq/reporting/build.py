@@ -10,11 +10,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import edgeq.report.figures as figures
+import edgeq.reporting.figures as figures
 from edgeq import __version__
 from edgeq.artifacts import atomic_path
 from edgeq.errors import MissingExtraError
-from edgeq.report.sources import Sources, collect
+from edgeq.reporting.sources import Sources, collect
 
 log = logging.getLogger(__name__)
 
@@ -631,7 +631,7 @@ def render(sources: Sources, title: str | None = None) -> tuple[str, dict]:
         "provenance": _provenance(sources),
     }
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("edgeq.report", "templates"),
+        loader=jinja2.PackageLoader("edgeq.reporting", "templates"),
         autoescape=jinja2.select_autoescape(["html", "j2"]),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,

@@ -13,7 +13,7 @@ import numpy as np
 
 from edgeq.compat import keras
 from edgeq.ranges import activation_range
-from edgeq.train import schemes
+from edgeq.training import schemes
 from edgeq.transforms.tfops import replace_tf_ops
 
 # Values kept per observed tensor for percentile/MSE/entropy (min and max are exact).
