@@ -316,6 +316,31 @@ def _version_record(digest: str, built: Path, **where: str) -> dict:
     return {"sha256": digest, "edgeq": version, "wheel_name": built.name, "since": _now(), **where}
 
 
+def runtime_layout(device, expand) -> tuple[DeviceRuntime, str]:
+    """How edgeq runs on ``device`` and where the sha256 of its build is kept; ``expand``
+    resolves ``~`` (or leaves it for the device's shell to)."""
+    workdir = expand(device.workdir)
+    if device.venv:
+        venv = expand(device.venv).rstrip("/")
+        return DeviceRuntime(python=f"{venv}/bin/python", env={}, mode="venv", workdir=workdir), f"{venv}/{_MARKER}"
+    site = confine(workdir, "site")
+    runtime = DeviceRuntime(python=device.python, env={"PYTHONPATH": site}, mode="site", workdir=workdir)
+    return runtime, confine(site, _MARKER)  # through the link: the live version's marker
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def wheel_digest(wheel: str | Path | None = None) -> str:
+    """The sha256 of ``wheel`` (this checkout's build when None), computed once per file state."""
+    wheel = Path(wheel) if wheel else build_wheel()
+    stat = wheel.stat()
+    key = (str(wheel.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    return _DIGESTS[key]
+
+
 def ensure_runtime(
     transport: Transport,
     *,
@@ -331,20 +356,12 @@ def ensure_runtime(
     device = transport.device
     workdir = transport.expand(device.workdir)
     wheel = Path(wheel) if wheel else build_wheel()
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    digest = wheel_digest(wheel)
     transport.makedirs(workdir)
     state = read_runtime_state(transport, workdir)
     live = state.get("live") or {}
-    if device.venv:
-        venv = transport.expand(device.venv)
-        python = f"{venv.rstrip('/')}/bin/python"
-        marker = f"{venv.rstrip('/')}/{_MARKER}"
-        runtime = DeviceRuntime(python=python, env={}, mode="venv", workdir=workdir)
-    else:
-        python = device.python
-        marker = confine(workdir, "site", _MARKER)  # through the link: the live version's marker
-        site = confine(workdir, "site")
-        runtime = DeviceRuntime(python=python, env={"PYTHONPATH": site}, mode="site", workdir=workdir)
+    runtime, marker = runtime_layout(device, transport.expand)
+    python = runtime.python
     installed = _read_marker(transport, marker)
     if installed == digest:
         return runtime

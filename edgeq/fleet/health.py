@@ -18,8 +18,8 @@ MIB = 1024 * 1024
 # vcgencmd get_throttled, now: bit 0 under-voltage, 1 ARM frequency capped, 2 throttled, 3 soft temperature limit
 THROTTLED_NOW = 0b1111
 
-_SCRIPT = r"""
-dir="$1"
+# The health values, as sh lines; ``$dir`` is the work directory (edgeq.fleet.state runs them too).
+HEALTH_LINES = r"""
 while [ ! -d "$dir" ] && [ "$dir" != / ] && [ -n "$dir" ]; do dir=$(dirname "$dir"); done
 printf 'free_kb=%s\n' "$(df -Pk "$dir" 2>/dev/null | awk 'NR==2 {print $4}')"
 root="${EDGEQ_SYSFS:-/sys}"
@@ -37,6 +37,7 @@ fi
 printf 'load1=%s\n' "$(cut -d' ' -f1 /proc/loadavg 2>/dev/null)"
 printf 'cpus=%s\n' "$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc 2>/dev/null)"
 """
+_SCRIPT = 'dir="$1"' + HEALTH_LINES
 
 
 class DeviceUnhealthy(DeviceError):
@@ -93,7 +94,11 @@ def _number(text: str | None) -> float | None:
 
 def read_health(transport: Transport, workdir: str) -> Health:
     result = transport.run(["sh", "-c", _SCRIPT, "edgeq-health", workdir], timeout=60)
-    values = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    return health_from(dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line))
+
+
+def health_from(values: dict[str, str]) -> Health:
+    """Health from the ``key=value`` lines HEALTH_LINES prints."""
     free_kb, milli_c = _number(values.get("free_kb")), _number(values.get("temp_milli_c"))
     load, cpus = _number(values.get("load1")), _number(values.get("cpus"))
     return Health(
@@ -104,9 +109,12 @@ def read_health(transport: Transport, workdir: str) -> Health:
     )
 
 
-def check_health(transport: Transport, workdir: str, limits: HealthLimits, need_bytes: int = 0) -> Health:
-    """The device's health, or DeviceUnhealthy naming every limit it is over."""
-    health = read_health(transport, workdir)
+def check_health(
+    transport: Transport, workdir: str, limits: HealthLimits, need_bytes: int = 0, health: Health | None = None
+) -> Health:
+    """The device's health (read now, unless ``health`` was read already), or DeviceUnhealthy
+    naming every limit it is over."""
+    health = health or read_health(transport, workdir)
     problems = health.problems(limits, need_bytes)
     if problems:
         raise DeviceUnhealthy(f"{transport.device.name}: skipped by the health check: {'; '.join(problems)}")

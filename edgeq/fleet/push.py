@@ -279,3 +279,63 @@ def rollback_files(transport: Transport, names: list[str], subdir: str = "models
         live[name] = {"sha256": None, "previous_sha256": entry.get("sha256"), "since": _now()}
     write_live(transport, folder, live)
     return done
+
+
+# Verify, keep, swap and record in one command: each upload's part file is checked by sha256,
+# the version it replaces is hard-linked into .previous/, the part is renamed over the target,
+# and the live record is written (temporary name, then rename). A part whose sha256 is wrong is
+# removed and the script stops with 3, before anything of it is live.
+_COMMIT = r"""
+folder=$1; live=$2; shift 2
+while [ $# -ge 3 ]; do
+  part=$1; name=$2; digest=$3; shift 3
+  got=$(sha256sum -- "$folder/$part" 2>/dev/null | cut -d' ' -f1)
+  if [ "$got" != "$digest" ]; then rm -f -- "$folder/$part"; printf 'bad %s %s\n' "$name" "$got"; exit 3; fi
+  if [ -e "$folder/$name" ]; then
+    mkdir -p -- "$folder/$PREVIOUS" && ln -f -- "$folder/$name" "$folder/$PREVIOUS/$name" || exit 4
+  fi
+  mv -f -- "$folder/$part" "$folder/$name" || exit 5
+  printf 'live %s\n' "$name"
+done
+printf '%s\n' "$live" > "$folder/$LIVE.tmp" && mv -f -- "$folder/$LIVE.tmp" "$folder/$LIVE"
+"""
+
+
+def upload_and_commit(
+    transport: Transport, files: list[Path], there: dict[str, str | None], live: dict, folder_exists: bool = True
+) -> list[FileTransfer]:
+    """Upload the files whose sha256 on the device (``there``, by name) differs, then make them
+    live and record them in one command (_COMMIT). The caller read ``there`` and ``live`` in its
+    state command, and whether WORKDIR/models exists (it is made only when not). Any failure
+    raises; the caller then falls back to push_files, which cleans up and retries file by file."""
+    folder = confine(transport.expand(transport.device.workdir), "models")
+    if not folder_exists:
+        transport.makedirs(folder)
+    records, triples, changed = [], [], False
+    for path in files:
+        name = safe_name(path.name)
+        digest, size = sha256_file(path), path.stat().st_size
+        target = confine(folder, name)
+        if there.get(name) == digest:
+            records.append(FileTransfer(path.name, target, digest, size, "unchanged", 0.0, 0))
+            if (live.get(path.name) or {}).get("sha256") != digest:
+                live[path.name] = {"sha256": digest, "previous_sha256": None, "since": _now()}
+                changed = True
+            continue
+        start = time.monotonic()
+        part = f".{path.name}{PART_MARK}{uuid.uuid4().hex[:12]}"
+        transport.upload(path, confine(folder, part))
+        triples += [part, name, digest]
+        changed = True
+        live[path.name] = {"sha256": digest, "previous_sha256": there.get(name), "since": _now()}
+        records.append(FileTransfer(path.name, target, digest, size, "uploaded", time.monotonic() - start, 1))
+    if not changed:
+        return records
+    record = json.dumps(live, indent=2, sort_keys=True)
+    result = transport.run(
+        ["env", f"PREVIOUS={PREVIOUS}", f"LIVE={LIVE}", "sh", "-c", _COMMIT, "edgeq-commit", folder, record, *triples],
+        timeout=120,
+    )
+    if not result.ok:
+        raise TransferError(f"{transport.device.name}: the upload did not commit: {result.last_error_line()}")
+    return records

@@ -7,6 +7,7 @@ is recorded with its error and the others go on. Results come back as frozen dat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
@@ -20,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from edgeq.errors import DeviceError, EdgeqError, FleetInterrupted
-from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe, rollback_runtime
+from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe, rollback_runtime, runtime_layout
 from edgeq.fleet.health import DeviceUnhealthy, HealthLimits, check_health
 from edgeq.fleet.inventory import Device
-from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files, with_manifests
+from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files, upload_and_commit, with_manifests
 from edgeq.fleet.rollout import Rollout
 from edgeq.fleet.transport import CANCEL, Transport, confine, connect
 from edgeq.metrics import top1_agreement
@@ -64,6 +65,7 @@ class ProfileOptions:
 class PushSummary:
     runtime: DeviceRuntime
     files: tuple[FileTransfer, ...]
+    commands: int = 0  # commands run on the device for this push (each a shell there, a round trip here)
 
 
 @dataclass(frozen=True)
@@ -222,10 +224,64 @@ def push_to(
     health: HealthLimits | None = None,
     **kwargs,
 ) -> PushSummary:
+    """Push ``files`` (each model with its manifest) and this checkout's edgeq to ``device``.
+
+    The first command reads the device's whole state (edgeq.fleet.state: health, the edgeq
+    build it runs, each file's sha256, the live record); a push that would change nothing is
+    done there, in that one command. Otherwise the bootstrap and the upload run as before.
+    """
     on_event(device.name, "connecting")
     with connect(device) as transport:
-        _health_check(transport, files, health, on_event)
-        return push_to_device(transport, files, on_event, **kwargs)
+        files = with_manifests(list(files)) if files else []
+        unchanged, state = _unchanged_push(transport, files, health, kwargs.get("wheel"))
+        if unchanged is not None:
+            on_event(device.name, "up to date")
+            return unchanged
+        if state is not None:  # edgeq is current: upload what changed, then one command makes it live
+            on_event(device.name, f"pushing {len(files)} file(s)")
+            try:
+                records = upload_and_commit(transport, files, state.sha256, dict(state.live), state.models_dir)
+            except EdgeqError as exc:  # e.g. a corrupted upload: the careful path retries file by file
+                log.warning("%s: %s; pushing file by file", device.name, exc)
+            else:
+                runtime, _ = runtime_layout(device, expand=transport.expand)
+                return PushSummary(runtime, tuple(records), transport.commands)
+        summary = push_to_device(transport, files, on_event, **kwargs)
+        return dataclasses.replace(summary, commands=transport.commands)
+
+
+def _unchanged_push(transport: Transport, files: list[Path], health: HealthLimits | None, wheel):
+    """(the push's summary, None) when the device already holds everything it would write (one
+    command read it all); (None, its state) when only files differ and edgeq is current; (None,
+    None) when edgeq must be installed first. A failed health check raises DeviceUnhealthy from
+    that same read."""
+    from edgeq.artifacts import sha256_file
+    from edgeq.fleet.bootstrap import wheel_digest
+    from edgeq.fleet.push import safe_name
+    from edgeq.fleet.state import read_state
+
+    device = transport.device
+    names = [safe_name(Path(f).name) for f in files]
+    runtime, marker = runtime_layout(device, expand=lambda path: path)  # ~ is expanded on the device
+    state = read_state(transport, device.workdir, marker, names)
+    if state.home.startswith("/"):
+        transport.home = state.home
+    if health is not None:
+        need = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
+        check_health(transport, device.workdir, health, need, state.health)
+    if state.marker is None or state.marker != wheel_digest(wheel):
+        return None, None
+    if state.leftover:  # an interrupted upload to clean up: the careful path does
+        return None, None
+    records = []
+    for path, name in zip(files, names):
+        digest = sha256_file(path)
+        if state.sha256.get(name) != digest or (state.live.get(path.name) or {}).get("sha256") != digest:
+            return None, state
+        target = confine(transport.expand(device.workdir), "models", name)
+        records.append(FileTransfer(path.name, target, digest, path.stat().st_size, "unchanged", 0.0, 0))
+    runtime, _ = runtime_layout(device, expand=transport.expand)
+    return PushSummary(runtime, tuple(records), transport.commands), state
 
 
 def rollback_on(device: Device, names: Sequence[str], on_event: Event = _noop, runtime: bool = False) -> list[Rollback]:

@@ -131,10 +131,15 @@ def fingerprint(key) -> str:
 
 
 class Transport(abc.ABC):
-    """What edgeq needs from a connection to a device."""
+    """What edgeq needs from a connection to a device.
+
+    ``commands`` counts the commands run on the device (each one a shell there, and a round
+    trip here): what a push or a profile costs a fleet, per device.
+    """
 
     device: Device
     home: str
+    commands: int = 0
 
     @abc.abstractmethod
     def run(
@@ -339,7 +344,19 @@ class SSHTransport(Transport):
             raise ConnectionLost(f"{where}: cannot connect: {exc or type(exc).__name__}") from exc
         self._client = client
         self._sftp = None
-        self.home = self._home()
+        self._home_folder: str | None = None
+
+    @property
+    def home(self) -> str:
+        """The device user's home, asked once, when a path needs it (a push that finds
+        everything in place learns it from its one state command: ``home = ...``)."""
+        if self._home_folder is None:
+            self._home_folder = self._home()
+        return self._home_folder
+
+    @home.setter
+    def home(self, value: str) -> None:
+        self._home_folder = value
 
     def _home(self) -> str:
         result = self.run(["sh", "-c", 'printf %s "$HOME"'], timeout=self.device.connect_timeout)
@@ -379,6 +396,7 @@ class SSHTransport(Transport):
 
     def run(self, argv, *, env=None, cwd=None, timeout=None) -> CommandResult:
         paramiko = _paramiko()
+        self.commands += 1
         command = shell_command(argv, env=env, cwd=cwd)
         log.info("%s$ %s", self.device.name, command)
         start = time.monotonic()
@@ -498,6 +516,7 @@ class LocalTransport(Transport):
         import subprocess
 
         self._check()
+        self.commands += 1
         command = shell_command(argv, env=env, cwd=cwd)
         log.info("%s$ %s", self.device.name, command)
         start = time.monotonic()

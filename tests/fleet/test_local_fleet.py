@@ -506,3 +506,38 @@ def test_a_model_and_its_manifest_are_pushed_and_rolled_back_together(cli, tmp_p
     assert (models / "b.manifest.json").is_file()
     assert cli("push", "--rollback", "b.tflite", "--to", "pair", "--inventory", inventory).exit_code == 0
     assert (models / "b.tflite").read_bytes() == INT8.read_bytes() and not (models / "b.manifest.json").exists()
+
+
+def test_a_push_that_changes_nothing_is_one_command_and_the_health_check_rides_on_it(tmp_path, monkeypatch):
+    """Remote commands per device, counted by the transport: a cold push bootstraps and uploads;
+    the same push again reads the device's state in one command and stops there; a changed model
+    goes the long way again; a hot device is refused from that same one read."""
+    from edgeq.fleet.health import HealthLimits
+    from edgeq.fleet.inventory import load_inventory
+    from edgeq.fleet.remote import push_to
+
+    inventory = _inventory(tmp_path, ["counted"], broken=())
+    (device,) = load_inventory(inventory).select(["counted"])
+    model = tmp_path / "m.tflite"
+    model.write_bytes(INT8.read_bytes())
+    cold = push_to(device, [model])
+    assert [f.status for f in cold.files] == ["uploaded"] and cold.runtime.installed == "installed"
+    again = push_to(device, [model], health=HealthLimits())
+    assert [f.status for f in again.files] == ["unchanged"] and again.commands == 1, again
+    assert again.runtime.python == cold.runtime.python and again.runtime.env == cold.runtime.env
+    model.write_bytes(INT8.read_bytes() + b"retrained")
+    changed = push_to(device, [model])  # state, upload (a file transfer), then one command makes it live
+    assert [f.status for f in changed.files] == ["uploaded"] and changed.commands == 2, changed
+    models = tmp_path / "counted" / "models"
+    assert (models / "m.tflite").read_bytes() == model.read_bytes()
+    assert (models / ".previous" / "m.tflite").read_bytes() == INT8.read_bytes()  # kept for --rollback
+    live = json.loads((models / ".edgeq-live.json").read_text())["m.tflite"]
+    assert live["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert live["previous_sha256"] == hashlib.sha256(INT8.read_bytes()).hexdigest()
+    assert not list(models.glob(".*.part-*"))
+    monkeypatch.setenv("EDGEQ_SYSFS", str(_fake_sysfs(tmp_path / "sys", 95000)))
+    from edgeq.fleet.health import DeviceUnhealthy
+
+    with pytest.raises(DeviceUnhealthy, match="95.0 °C"):
+        push_to(device, [model], health=HealthLimits())
+    print(f"remote commands per device: cold {cold.commands}, no-op {again.commands}, one new model {changed.commands}")
