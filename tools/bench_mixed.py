@@ -26,6 +26,9 @@ SAMPLES = 6000
 PLAN_BUDGET_PP = 0.5
 QAT_EPOCHS = 3
 RESAMPLES = 1000
+# EDGEQ_BENCH_MIXED_STEPS=mixed,w4_adaround re-measures those steps only, reusing the rest of
+# each row from EDGEQ_BENCH_CACHE (where every row is saved); all steps by default
+STEPS = ("ptq", "mixed", "qat", "qat_distill", "w4_nearest", "w4_adaround")
 
 
 def _fp32(name: str, data: str, folder: Path) -> Path:
@@ -77,10 +80,8 @@ def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict
 
 
 def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
-    import numpy as np
     from bench_ptq import RAW_PIXELS
 
-    from edgeq.analysis.plan import make_plan
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
@@ -89,12 +90,15 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
     data = raw if name in RAW_PIXELS else photos
     d = load_dataset(data)
     x, y = d.split("test")
-    row: dict = {"model": name, "test_samples": len(y)}
-    start = time.perf_counter()
     cache = Path(os.environ.get("EDGEQ_BENCH_CACHE") or folder)
     cache.mkdir(parents=True, exist_ok=True)
+    saved = cache / f"{name}_row.json"
+    row: dict = json.loads(saved.read_text()) if saved.exists() else {}
+    row |= {"model": name, "test_samples": len(y)}
+    steps = [s for s in os.environ.get("EDGEQ_BENCH_MIXED_STEPS", ",".join(STEPS)).split(",") if s]
+    start = time.perf_counter()
     fp32 = _fp32(name, data, cache)
-    row["train_seconds"] = round(time.perf_counter() - start, 1)
+    row.setdefault("train_seconds", round(time.perf_counter() - start, 1))
     fp32_correct = (load_keras_model(fp32).predict(x, batch_size=128, verbose=0).argmax(-1) == y).astype(float)
     row["fp32_accuracy"] = round(100 * fp32_correct.mean(), 2)
     loose = {"min_sqnr_db": -1000.0}  # measured here, not gated: a W4A8 model below the default threshold is a row
@@ -111,7 +115,31 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
         row[key] = _score(out, fp32_correct, x, y) | {"seconds": round(time.perf_counter() - start, 1)}
         print(name, key, json.dumps(row[key]), flush=True)
 
-    converted("ptq", fp32, ptq="converter")
+    if "ptq" in steps:
+        converted("ptq", fp32, ptq="converter")
+    if "mixed" in steps:
+        _mixed(name, fp32, data, folder, row, converted)
+    for key, distill in (("qat", False), ("qat_distill", True)):
+        if key not in steps:
+            continue
+        start = time.perf_counter()
+        out_dir = str(folder / f"{name}_{key}")
+        run = train(
+            TrainConfig(model=str(fp32), data=data, out_dir=out_dir, epochs=0, qat_epochs=QAT_EPOCHS, distill=distill)
+        )
+        seconds = round(time.perf_counter() - start, 1)
+        converted(key, run.qat_model)
+        row[key]["train_seconds"] = seconds
+    for rounding in ("nearest", "adaround"):
+        if f"w4_{rounding}" in steps:
+            converted(f"w4_{rounding}", fp32, weight_bits=4, rounding=rounding, ptq="minmax")
+    saved.write_text(json.dumps(row))
+    return row
+
+
+def _mixed(name, fp32, data, folder, row, converted) -> None:
+    from edgeq.analysis.plan import make_plan
+
     start = time.perf_counter()
     plan = make_plan(fp32, data, PLAN_BUDGET_PP, folder / f"{name}_plan.json", samples=200, fallback="int16")
     row["plan"] = {
@@ -122,19 +150,6 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
         "seconds": round(time.perf_counter() - start, 1),
     }
     converted("mixed", fp32, plan=str(plan.path))
-    for key, distill in (("qat", False), ("qat_distill", True)):
-        start = time.perf_counter()
-        run = train(
-            TrainConfig(model=str(fp32), data=data, out_dir=str(folder / key), epochs=0, qat_epochs=QAT_EPOCHS,
-                        distill=distill)
-        )  # fmt: skip
-        seconds = round(time.perf_counter() - start, 1)
-        converted(key, run.qat_model)
-        row[key]["train_seconds"] = seconds
-    for rounding in ("nearest", "adaround"):
-        converted(f"w4_{rounding}", fp32, weight_bits=4, rounding=rounding, ptq="minmax")
-    np.save(folder / f"{name}_fp32_correct.npy", fp32_correct)
-    return row
 
 
 def measure() -> list[dict]:

@@ -80,6 +80,7 @@ class RemoteProfile:
     accuracy: float | None
     push: PushSummary
     report: dict = field(repr=False, default_factory=dict)
+    commands: int = 0  # commands run on the device, the push's included, up to the profile's own
 
 
 @dataclass(frozen=True)
@@ -209,14 +210,6 @@ def push_to_device(
     return PushSummary(runtime, tuple(records))
 
 
-def _health_check(transport: Transport, files, limits: HealthLimits | None, on_event: Event) -> None:
-    if limits is None:
-        return
-    on_event(transport.device.name, "health check")
-    need = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
-    check_health(transport, transport.expand(transport.device.workdir), limits, need)
-
-
 def push_to(
     device: Device,
     files: Sequence[str | Path],
@@ -232,22 +225,29 @@ def push_to(
     """
     on_event(device.name, "connecting")
     with connect(device) as transport:
-        files = with_manifests(list(files)) if files else []
-        unchanged, state = _unchanged_push(transport, files, health, kwargs.get("wheel"))
-        if unchanged is not None:
-            on_event(device.name, "up to date")
-            return unchanged
-        if state is not None:  # edgeq is current: upload what changed, then one command makes it live
-            on_event(device.name, f"pushing {len(files)} file(s)")
-            try:
-                records = upload_and_commit(transport, files, state.sha256, dict(state.live), state.models_dir)
-            except EdgeqError as exc:  # e.g. a corrupted upload: the careful path retries file by file
-                log.warning("%s: %s; pushing file by file", device.name, exc)
-            else:
-                runtime, _ = runtime_layout(device, expand=transport.expand)
-                return PushSummary(runtime, tuple(records), transport.commands)
-        summary = push_to_device(transport, files, on_event, **kwargs)
-        return dataclasses.replace(summary, commands=transport.commands)
+        return _push(transport, files, on_event, health, **kwargs)
+
+
+def _push(transport: Transport, files, on_event: Event, health: HealthLimits | None, **kwargs) -> PushSummary:
+    """One state command first; then nothing, or the changed files and one command to make them
+    live, or (edgeq to install, an interrupted upload to clean up) the bootstrap and the careful path."""
+    device = transport.device
+    files = with_manifests(list(files)) if files else []
+    unchanged, state = _unchanged_push(transport, files, health, kwargs.get("wheel"))
+    if unchanged is not None:
+        on_event(device.name, "up to date")
+        return unchanged
+    if state is not None:  # edgeq is current: upload what changed, then one command makes it live
+        on_event(device.name, f"pushing {len(files)} file(s)")
+        try:
+            records = upload_and_commit(transport, files, state.sha256, dict(state.live), state.models_dir)
+        except EdgeqError as exc:  # e.g. a corrupted upload: the careful path retries file by file
+            log.warning("%s: %s; pushing file by file", device.name, exc)
+        else:
+            runtime, _ = runtime_layout(device, expand=transport.expand)
+            return PushSummary(runtime, tuple(records), transport.commands)
+    summary = push_to_device(transport, files, on_event, **kwargs)
+    return dataclasses.replace(summary, commands=transport.commands)
 
 
 def _unchanged_push(transport: Transport, files: list[Path], health: HealthLimits | None, wheel):
@@ -319,13 +319,11 @@ def profile_on(
     files = [Path(model)] + [Path(p) for p in (options.compare, options.data) if p]
     on_event(device.name, "connecting")
     with connect(device) as transport:
-        _health_check(transport, files, health, on_event)
-        pushed = push_to_device(transport, files, on_event)
+        pushed = _push(transport, files, on_event, health)
         runtime = pushed.runtime
         remote_model = _remote_path(pushed, model)
         stem = Path(model).stem
         results_remote = confine(runtime.workdir, "results")
-        transport.makedirs(results_remote)
         remote_json = confine(results_remote, f"{stem}.profile.json")
         args = ["profile", remote_model, "--threads", options.threads, "--runs", str(options.runs)]
         args += ["--warmup", str(options.warmup), "--min-seconds", str(options.min_seconds)]
@@ -339,9 +337,12 @@ def profile_on(
         if options.runtime or device.runtime:
             args += ["--runtime", options.runtime or device.runtime]
         on_event(device.name, "profiling")
-        result = transport.run(runtime.argv(*args), env=runtime.env, cwd=runtime.workdir, timeout=PROFILE_TIMEOUT_S)
+        # the results folder is made by the same command that profiles: one shell, one Python start-up
+        argv = ["sh", "-c", 'mkdir -p -- "$0" && exec "$@"', results_remote, *runtime.argv(*args)]
+        result = transport.run(argv, env=runtime.env, cwd=runtime.workdir, timeout=PROFILE_TIMEOUT_S)
         if not result.ok:
             raise DeviceError(f"{device.name}: edgeq profile failed: {result.last_error_line()}")
+        commands = transport.commands
         local = Path(results_dir) / device.name / f"{stem}.profile.json"
         on_event(device.name, "fetching results")
         transport.download(remote_json, local)
@@ -368,6 +369,7 @@ def profile_on(
         accuracy=accuracy,
         push=pushed,
         report=report,
+        commands=commands,
     )
 
 

@@ -535,9 +535,17 @@ def test_a_push_that_changes_nothing_is_one_command_and_the_health_check_rides_o
     assert live["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()
     assert live["previous_sha256"] == hashlib.sha256(INT8.read_bytes()).hexdigest()
     assert not list(models.glob(".*.part-*"))
+    from edgeq.fleet.remote import ProfileOptions, profile_on
+
+    profiled = profile_on(device, model, ProfileOptions(runs=3, warmup=1), tmp_path / "results")
+    # the model is there: the state command, then one that makes the results folder and profiles
+    assert profiled.commands == 2 and profiled.median_ms > 0, profiled.commands
     monkeypatch.setenv("EDGEQ_SYSFS", str(_fake_sysfs(tmp_path / "sys", 95000)))
     from edgeq.fleet.health import DeviceUnhealthy
 
     with pytest.raises(DeviceUnhealthy, match="95.0 °C"):
         push_to(device, [model], health=HealthLimits())
-    print(f"remote commands per device: cold {cold.commands}, no-op {again.commands}, one new model {changed.commands}")
+    print(
+        f"remote commands per device: cold {cold.commands}, no-op {again.commands}, one new model "
+        f"{changed.commands}, profile --on {profiled.commands}"
+    )
