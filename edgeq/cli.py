@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "devices": ("edgeq.commands.devices", "devices", "The device inventory, and what each device has (over SSH)."),
     "push": ("edgeq.commands.push", "push", "Push models (and the edgeq runtime) to devices over SSH."),
     "verify": ("edgeq.commands.verify", "verify", "Compare a device's outputs with this host's interpreter."),
+    "release": ("edgeq.commands.release", "release", "Write a signed release for devices to pull (large fleets)."),
+    "pull": ("edgeq.commands.release", "pull", "On a device: make a release from a URL live (no TensorFlow)."),
     "report": ("edgeq.commands.report", "report", "One self-contained HTML page: what quantization cost."),
     "inspect": (
         "edgeq.commands.inspect",
