@@ -602,3 +602,21 @@ def test_w4a8_stores_4_bit_codes_in_integer_kernels_and_adaround_lowers_the_erro
         "--ptq converter",
     )
     assert_one_line_error(cli("convert", digits_run.qat_model, "--weight-bits", "4"), "QAT model")
+
+
+def test_adaround_learns_a_strided_1x1_convolution_exactly_as_the_layer_computes_it():
+    """A residual 1x1 stride-2 conv (mini-Xception, ResNet shortcuts): AdaRound's output function
+    equals the layer, and learning through it completes (TF 2.21's gradient of a strided 1x1 conv
+    crashed the process; edgeq convolves the subsampled input instead)."""
+    from edgeq.compat import keras, tf
+    from edgeq.transforms.adaround import _linear, adaround, kernel_scale
+
+    keras.utils.set_random_seed(0)
+    for size, padding in ((60, "same"), (61, "valid")):
+        layer = keras.layers.Conv2D(16, 1, strides=2, padding=padding)
+        x = np.random.default_rng(0).normal(size=(16, size, size, 8)).astype(np.float32)
+        expected = layer(x).numpy()
+        got = _linear(layer)(tf.constant(x), layer.kernel).numpy()
+        assert got.shape == expected.shape and np.allclose(got, expected, atol=1e-5)
+        codes, result = adaround(layer, x, kernel_scale(layer), iterations=20)
+        assert np.abs(codes).max() <= 127 and result.output_mse <= result.output_mse_nearest

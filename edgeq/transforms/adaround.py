@@ -50,6 +50,16 @@ def _linear(layer):
         def op(x, kernel):
             return tf.nn.depthwise_conv2d(x, kernel, strides, padding, dilations=layer.dilation_rate)
 
+    elif tuple(layer.kernel_size) == (1, 1) and tuple(layer.strides) != (1, 1):
+        # A 1x1 kernel at stride s reads every s-th pixel (with "same" or "valid" padding alike):
+        # take those first and convolve at stride 1. TF 2.21's CPU gradient of a strided 1x1
+        # convolution crashes the process (a double free, Conv2DBackpropFilter), and AdaRound
+        # differentiates through this op (mini-Xception's residual 1x1 stride-2 convs).
+        rows, cols = layer.strides
+
+        def op(x, kernel):
+            return tf.nn.conv2d(x[:, ::rows, ::cols, :], kernel, 1, "VALID")
+
     else:
         op = layer.convolution_op
 

@@ -62,7 +62,8 @@ def test_devices_pull_a_signed_release_once_and_keep_the_previous_for_rollback(c
     devices = [tmp_path / f"dev{i}" for i in range(3)]
     for device in devices:
         pulled = cli("pull", url, "--workdir", device, "--allowed-signers", allowed)
-        assert pulled.exit_code == 0 and "updated m.manifest.json, m.tflite (4 request(s))" in pulled.output, pulled.output
+        assert pulled.exit_code == 0, pulled.output
+        assert "updated m.manifest.json, m.tflite (4 request(s))" in pulled.output
         assert (device / "models" / "m.tflite").read_bytes() == first.read_bytes()
     requests.clear()
     again = cli("pull", url, "--workdir", devices[0], "--allowed-signers", allowed)
