@@ -30,9 +30,9 @@ from edgeq.errors import MissingExtraError  # noqa: E402
 @contextlib.contextmanager
 def _stderr_silenced():
     """TensorFlow's C++ start-up lines (oneDNN, CUDA stubs, cuInit) ignore every log-level
-    variable; pointing fd 2 at /dev/null while TensorFlow starts is the only switch.
-    EDGEQ_VERBOSE=1 (edgeq -v) keeps them."""
-    if os.environ.get("EDGEQ_VERBOSE"):
+    variable; pointing fd 2 at /dev/null while TensorFlow starts is the only switch. Only
+    under the edgeq command (EDGEQ_QUIET_TF=1), and not with EDGEQ_VERBOSE=1 (edgeq -v)."""
+    if os.environ.get("EDGEQ_VERBOSE") or not os.environ.get("EDGEQ_QUIET_TF"):
         yield
         return
     saved = os.dup(2)

@@ -10,7 +10,9 @@ What it shows, in the order it runs:
 
 1. ``push`` + ``profile --on all`` from a cold start: all 50 ok, each with the host's
    versions, wall time and the host process's peak RSS printed (BENCHMARKS.md).
-2. a second ``push`` of the same files: nothing uploaded, nothing installed.
+2. a second ``push`` of the same files: nothing uploaded, nothing installed (one remote
+   command per device); then a rollout to the warm fleet: a retrained model pushed and
+   profiled on all 50 (BENCHMARKS.md: under 100 s).
 3. ``--batch 10 --max-fail 10%`` with 8 broken devices in the first batch: the rollout
    stops, the other 40 are listed as skipped and untouched (exit 6).
 4. 5 devices die while they profile (their sshd and every session killed from inside the
@@ -175,6 +177,18 @@ def test_fifty_devices_push_profile_budget_and_dead_devices(fifty, tmp_path):
     for row in _rows(out, "device").values():
         assert row[1:4] == ["ok", "0", "2"] and row[5] == "unchanged", row
     numbers |= {"second_push_s": again_s, "second_push_host_cpu_s": HOST_CPU["4"]}
+
+    # 2b. a rollout to the warm fleet: a retrained model pushed, then profiled, on all 50
+    retrained = tmp_path / "new" / INT8.name
+    retrained.parent.mkdir()
+    retrained.write_bytes(INT8.read_bytes() + b"retrained")  # a trailing byte: the same graph, another file
+    code, update_s, _, out = _edgeq("push", retrained, "--to", "all", *common, cwd=work, log=root / "4b.log")
+    assert code == 0 and all(r[1:3] == ["ok", "1"] for r in _rows(out, "device").values()), out[-3000:]
+    code, warm_profile_s, _, out = _edgeq(
+        "profile", retrained, "--data", DIGITS, "--runs", "20", "--on", "all", *common, cwd=work, log=root / "4c.log"
+    )
+    assert code == 0, out[-3000:]
+    numbers |= {"update_push_s": update_s, "warm_profile_s": warm_profile_s, "rollout_s": update_s + warm_profile_s}
 
     # 3. a failure budget: 8 broken devices in the first batch of 10, --max-fail 10% (5)
     broken = root / "broken.toml"
