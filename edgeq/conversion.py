@@ -26,6 +26,7 @@ from edgeq.metrics import compare_outputs
 from edgeq.numerics import ROUNDINGS
 from edgeq.ranges import ACTIVATION_METHODS, WEIGHT_METHODS
 from edgeq.runtime.inputs import ROUNDING as INPUT_ROUNDING
+from edgeq.runtime.inputs import manifest_beside
 from edgeq.runtime.interpreter import TFLiteModel
 
 log = logging.getLogger(__name__)
@@ -151,11 +152,6 @@ class ConversionResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
     edgetpu: dict | None = None  # compatibility check and compiler result, with --edgetpu
     outputs: tuple[dict, ...] = ()  # each output: name, task, dtype, quantization
-
-
-def manifest_path(model_path: str | Path) -> Path:
-    model_path = Path(model_path)
-    return model_path.with_name(model_path.stem + ".manifest.json")
 
 
 def default_output(source: str | Path, mode: Mode) -> Path:
@@ -482,7 +478,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     _commit(out, flatbuffer, manifest, notes, options.edgetpu)
     return ConversionResult(
         path=out,
-        manifest=manifest_path(out),
+        manifest=manifest_beside(out),
         mode=spec.mode.value,
         size_bytes=len(flatbuffer),
         seconds=round(seconds, 3),
@@ -1022,7 +1018,7 @@ def _commit(out: Path, flatbuffer: bytes, manifest: dict, notes: list[str], edge
                         compiler[key] = str(out.parent / Path(compiler[key]).name)
             manifest["edgetpu"] = report
             manifest["notes"] = notes
-        write_json_atomic(stage / manifest_path(out).name, manifest)
+        write_json_atomic(stage / manifest_beside(out).name, manifest)
         companions = sorted(p for p in stage.iterdir() if p.name != out.name and not p.name.startswith("."))
         for path in companions:
             fsync_path(path)

@@ -360,7 +360,10 @@ def reset_peak_rss() -> bool:
 
 
 @dataclass(frozen=True)
-class Dataset:
+class DeviceSamples:
+    """The samples ``edgeq profile`` reads from an .npz on the device (numpy only; the host's
+    edgeq.data.Dataset, with splits and sources, needs TensorFlow)."""
+
     x: np.ndarray | dict  # float32, batch first, in the model's float range; a dict by input name for several
     y: np.ndarray | dict | None  # class ids or float targets; a dict by output name; None without labels
     info: DataInfo
@@ -383,7 +386,7 @@ def load_npz(
     labels: str | None = None,
     inputs: str = "x",
     normalization: Normalization | None = None,
-) -> Dataset:
+) -> DeviceSamples:
     """Load inputs (and labels) from an .npz and check that they fit the model's input(s).
 
     ``model_input``: the input's TensorInfo, or {input name: TensorInfo} for several inputs,
@@ -426,7 +429,7 @@ def load_npz(
             raise DataError(f"{path}: labels missing: no array {key!r} (it has {', '.join(sorted(arrays))})")
         y = _targets(arrays[key], count, path, key)
     info = DataInfo(str(path), sha256_bytes(content), int(count), key)
-    return Dataset(x, y, info)
+    return DeviceSamples(x, y, info)
 
 
 def _targets(y: np.ndarray, count: int, path: Path, key: str) -> np.ndarray:
@@ -464,7 +467,7 @@ class _NoBar:
         pass
 
 
-def _sample_inputs(model: TFLiteModel, data: Dataset | None) -> list[np.ndarray]:
+def _sample_inputs(model: TFLiteModel, data: DeviceSamples | None) -> list[np.ndarray]:
     """One batch per model input: the first data sample, else deterministic random values."""
     rng = np.random.default_rng(0)
     batches = []
@@ -513,7 +516,7 @@ def measure_run(
     min_seconds: float = 0.0,
     delegate: str | None = None,
     runtime: str | None = None,
-    data: Dataset | None = None,
+    data: DeviceSamples | None = None,
     progress: bool | None = None,
 ) -> tuple[RunResult, TFLiteModel]:
     """Load ``path`` with ``threads`` threads and time ``runs`` invocations after ``warmup``.
@@ -605,7 +608,7 @@ def predict_all(
     return {name: np.concatenate(parts, axis=0) for name, parts in outputs.items()}
 
 
-def output_specs(path: Path, model: TFLiteModel, data: Dataset | None) -> list[OutputSpec]:
+def output_specs(path: Path, model: TFLiteModel, data: DeviceSamples | None) -> list[OutputSpec]:
     """Each output's task: what the conversion manifest beside the model recorded, else inferred
     from the labels (no activation is known on the device)."""
     recorded = {o["name"]: o for o in outputs_beside(path)}
@@ -616,7 +619,9 @@ def output_specs(path: Path, model: TFLiteModel, data: Dataset | None) -> list[O
     return specs_for(order, shapes, None, recorded, None, targets, None)
 
 
-def _accuracy(outputs: dict[str, np.ndarray], data: Dataset, specs: list[OutputSpec], where: str) -> AccuracyStats:
+def _accuracy(
+    outputs: dict[str, np.ndarray], data: DeviceSamples, specs: list[OutputSpec], where: str
+) -> AccuracyStats:
     """Each output scored by its task against the data's labels (the same scoring as edgeq eval)."""
     if data.y is None:
         return AccuracyStats(samples=data.count, labelled=False, accuracy=None)
@@ -639,7 +644,7 @@ def _accuracy(outputs: dict[str, np.ndarray], data: Dataset, specs: list[OutputS
     return AccuracyStats(samples=data.count, labelled=True, accuracy=first, outputs=tuple(rows))
 
 
-def _detect(path: Path, outputs: dict, data: Dataset, accuracy: AccuracyStats):
+def _detect(path: Path, outputs: dict, data: DeviceSamples, accuracy: AccuracyStats):
     """A detector's outputs decoded and NMS'd here, as on the host (edgeq.detection); scored by
     pycocotools where this device has it, else by the host that fetches them (profile --on)."""
     from edgeq.detection import DetectionSpec, decode, mean_average_precision
@@ -709,7 +714,7 @@ def _facts(model: TFLiteModel) -> ModelFacts:
 
 
 def _profile_one(
-    path: Path, threads: tuple[int, ...], data: Dataset | None, kwargs: dict[str, Any]
+    path: Path, threads: tuple[int, ...], data: DeviceSamples | None, kwargs: dict[str, Any]
 ) -> tuple[ModelProfile, dict | None, list[OutputSpec]]:
     runs: list[RunResult] = []
     outputs = None
