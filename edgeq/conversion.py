@@ -25,6 +25,7 @@ from edgeq.errors import ConversionError, DataError, IntegerOnlyError, UsageErro
 from edgeq.metrics import compare_outputs
 from edgeq.numerics import ROUNDINGS
 from edgeq.ranges import ACTIVATION_METHODS, WEIGHT_METHODS
+from edgeq.runtime.flatbuffer import precision_counts, verify_tflite
 from edgeq.runtime.inputs import ROUNDING as INPUT_ROUNDING
 from edgeq.runtime.inputs import manifest_beside
 from edgeq.runtime.interpreter import TFLiteModel
@@ -556,7 +557,7 @@ def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spe
         "ptq": ptq_record,
         "ops": op_counts,
         # ops by what they compute in (QUANTIZE ops counted by their output): int8, int16 (16x8), float
-        "precision": _precision_counts(flatbuffer),
+        "precision": precision_counts(verify_tflite(flatbuffer, "the converted model")),
         "wide_layers": _plan_wide_layers(keras_model, plan) if plan else [],
         "verification": asdict(verification),
         "convert_seconds": round(seconds, 3),
@@ -650,13 +651,6 @@ def _quantize(
     except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
         raise _converter_error(exc, spec, route["source_name"]) from exc
     return flatbuffer, ptq_record
-
-
-def _precision_counts(flatbuffer: bytes) -> dict[str, int]:
-    from edgeq.runtime.flatbuffer import op_precision, verify_tflite
-
-    desc = verify_tflite(flatbuffer, "the converted model")
-    return dict(Counter(op_precision(desc, op) for op in desc.main.operators))
 
 
 def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, is_qat) -> tuple[bytes, int]:
@@ -875,7 +869,7 @@ def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes:
     )
     result = qt.quantize(enable_progress_report=False)
     quantized = bytes(result.quantized_model)
-    from edgeq.runtime.flatbuffer import bytes_by_dtype, verify_tflite
+    from edgeq.runtime.flatbuffer import bytes_by_dtype
 
     by_dtype = bytes_by_dtype(verify_tflite(quantized, "LiteRT Quantizer output"))
     int4, float32 = by_dtype.get("int4", 0), by_dtype.get("float32", 0)
@@ -897,8 +891,9 @@ def _plan_resolved(keras_model, plan) -> dict:
     return LayerConfig.load(plan).resolve([layer.name for layer in keras_model.layers], LayerPrecision())
 
 
-def _plan_float_layers(keras_model, plan) -> list[str]:
-    return [name for name, p in _plan_resolved(keras_model, plan).items() if p.keep_float]
+def _plan_float_layers(keras_model, plan, resolved: dict | None = None) -> list[str]:
+    resolved = resolved if resolved is not None else _plan_resolved(keras_model, plan)
+    return [name for name, p in resolved.items() if p.keep_float]
 
 
 def _plan_ranges(plan, ptq: str) -> str:
@@ -916,18 +911,19 @@ def _plan_ranges(plan, ptq: str) -> str:
     return recorded if recorded in ACTIVATION_METHODS else "minmax"
 
 
-def _plan_wide_layers(keras_model, plan) -> list[str]:
-    return [n for n, p in _plan_resolved(keras_model, plan).items() if not p.keep_float and p.activation_bits == 16]
+def _plan_wide_layers(keras_model, plan, resolved: dict | None = None) -> list[str]:
+    resolved = resolved if resolved is not None else _plan_resolved(keras_model, plan)
+    return [n for n, p in resolved.items() if not p.keep_float and p.activation_bits == 16]
 
 
 def _check_wide_plan(keras_model, plan, options: ConvertOptions) -> list[str]:
     """The plan's 16-bit layers, refused where the mixed model cannot be what was asked for."""
-    wide = _plan_wide_layers(keras_model, plan)
+    resolved = _plan_resolved(keras_model, plan)
+    wide = _plan_wide_layers(keras_model, plan, resolved)
     if not wide:
-        if options.mode != Mode.INT8 and _plan_float_layers(keras_model, plan):
+        if options.mode != Mode.INT8 and _plan_float_layers(keras_model, plan, resolved):
             raise UsageError(f"{plan} keeps some layers float, so it converts with --int8 (float I/O, float fallback)")
         return wide
-    resolved = _plan_resolved(keras_model, plan)
     moved = [n for n, p in resolved.items() if p.keep_float or p.weight_bits != 8]
     if options.mode != Mode.INT8_ONLY:
         raise UsageError(f"{plan} puts {len(wide)} layer(s) at 16-bit activations: convert it with --int8-only")
@@ -949,7 +945,6 @@ def _check_wide_plan(keras_model, plan, options: ConvertOptions) -> list[str]:
 def _convert_mixed(keras_model, plan, wide: list[str], dataset, samples, notes) -> bytes:
     """Integer-only: the plan's layers at 16-bit activations (16x8), every other one int8."""
     from edgeq.quantize.mixed import calibrate_mixed, wide_layers
-    from edgeq.runtime.flatbuffer import verify_tflite
 
     cal = calibrate_mixed(keras_model, dataset.calibration_samples(samples))
     flatbuffer = cal.quantize(wide)
@@ -968,7 +963,7 @@ def _convert_with_plan(keras_model, plan, dataset, samples, granularity, ranges,
     from edgeq.calibration import calibrate
 
     resolved = _plan_resolved(keras_model, plan)
-    wide = _plan_wide_layers(keras_model, plan)
+    wide = _plan_wide_layers(keras_model, plan, resolved)
     if wide or (integer_only and not any(p.keep_float or p.weight_bits != 8 for p in resolved.values())):
         # 16-bit layers, or an int16 plan whose budget full int8 met: the model the plan measured
         return _convert_mixed(keras_model, plan, wide, dataset, samples, notes)
@@ -1031,7 +1026,6 @@ def _commit(out: Path, flatbuffer: bytes, manifest: dict, notes: list[str], edge
 def _edgetpu(path: Path, flatbuffer: bytes, notes: list[str]) -> dict:
     """Edge TPU compatibility from the flatbuffer; edgetpu_compiler's verdict when it is here."""
     from edgeq.runtime.edgetpu import check_edgetpu, find_edgetpu_compiler, run_edgetpu_compiler
-    from edgeq.runtime.flatbuffer import verify_tflite
 
     report = check_edgetpu(verify_tflite(flatbuffer, str(path)))
     first = report.first_fallback

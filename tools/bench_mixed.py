@@ -56,16 +56,13 @@ def _fp32(name: str, data: str, folder: Path) -> Path:
 def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict:
 
     from edgeq.analysis.qat_gain import paired_interval
-    from edgeq.runtime.flatbuffer import read_tflite
+    from edgeq.runtime.flatbuffer import op_summary, read_tflite
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import profile_model
 
     correct = (TFLiteModel(path, use_default_delegates=False).predict(x, batch_size=1).argmax(-1) == y).astype(float)
     low, high = paired_interval(lambda c, idx: 100 * c[idx].mean(), fp32_correct, correct, resamples=RESAMPLES)
-    desc = read_tflite(path)
-    from edgeq.runtime.flatbuffer import op_summary
-
-    ops = op_summary(desc)
+    ops = op_summary(read_tflite(path))
     run = profile_model(path, runs=100, warmup=10, progress=False).model.runs[0]
     return {
         "accuracy": round(100 * correct.mean(), 2),

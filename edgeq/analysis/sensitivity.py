@@ -23,7 +23,7 @@ import numpy as np
 
 from edgeq.calibration import Calibrated, calibrate, predict
 from edgeq.errors import UsageError
-from edgeq.metrics import class_scores
+from edgeq.metrics import predicted_classes
 from edgeq.shims.tflite import native_output_silenced
 from edgeq.tasks import OutputSpec, drop, score, task
 
@@ -170,7 +170,7 @@ def fp32_answers(spec: OutputSpec, outputs: np.ndarray) -> np.ndarray:
     """The class ids (or 0/1 labels) the FP32 model gives: the labels of unlabelled data."""
     out = np.asarray(outputs)
     if spec.kind == "classification":
-        return np.argmax(class_scores(out), axis=1)
+        return predicted_classes(out, f"output {spec.name!r}")
     answers = (out.reshape(len(out), -1) >= spec.threshold).astype(np.int64)
     return answers[:, 0] if spec.kind == "binary" else answers
 

@@ -306,8 +306,9 @@ def upload_and_commit(
 ) -> list[FileTransfer]:
     """Upload the files whose sha256 on the device (``there``, by name) differs, then make them
     live and record them in one command (_COMMIT). The caller read ``there`` and ``live`` in its
-    state command, and whether WORKDIR/models exists (it is made only when not). Any failure
-    raises; the caller then falls back to push_files, which cleans up and retries file by file."""
+    state command, and whether WORKDIR/models exists (it is made only when not). Nothing changed:
+    no command at all. Any failure raises; the caller then falls back to push_files, which cleans
+    up and retries file by file."""
     folder = confine(transport.expand(transport.device.workdir), "models")
     if not folder_exists:
         transport.makedirs(folder)

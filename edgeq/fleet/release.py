@@ -29,6 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgeq.artifacts import sha256_file
 from edgeq.errors import TransferError, UsageError
 
 RELEASE = "release.json"
@@ -38,14 +39,6 @@ SIGNER = "edgeq-release"  # the principal devices' allowed_signers names the rel
 LIVE = ".edgeq-live.json"  # as edgeq.fleet.push writes it
 PREVIOUS = ".previous"
 PART = ".part-"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def make_release(files: list[str | Path], out: str | Path, version: str, key: str | Path | None = None) -> Path:
@@ -70,7 +63,7 @@ def make_release(files: list[str | Path], out: str | Path, version: str, key: st
     for path in paths:
         shutil.copyfile(path, out / f".{path.name}.tmp")
         os.replace(out / f".{path.name}.tmp", out / path.name)
-        entries[path.name] = {"sha256": _sha256(out / path.name), "size": path.stat().st_size}
+        entries[path.name] = {"sha256": sha256_file(out / path.name), "size": path.stat().st_size}
     record = {"kind": "edgeq.release", "version": version, "created": _now(), "files": entries}
     tmp = out / f".{RELEASE}.tmp"
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -163,7 +156,8 @@ def pull(
     except (OSError, ValueError):
         live = {}
     live = live if isinstance(live, dict) else {}
-    changed = [n for n, e in files.items() if not (folder / n).is_file() or _sha256(folder / n) != e["sha256"]]
+    there = {n: sha256_file(folder / n) if (folder / n).is_file() else None for n in files}
+    changed = [n for n, e in files.items() if there[n] != e["sha256"]]
     parts: dict[str, Path] = {}
     try:
         for name in changed:  # every file downloaded and checked before any is made live
@@ -175,11 +169,12 @@ def pull(
                 fh.flush()
                 os.fsync(fh.fileno())
             parts[name] = part
-            if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
-                raise TransferError(f"{base}{name}: sha256 {hashlib.sha256(data).hexdigest()} is not the release's")
+            got = hashlib.sha256(data).hexdigest()
+            if got != files[name]["sha256"]:
+                raise TransferError(f"{base}{name}: sha256 {got} is not the release's")
         for name, part in parts.items():
             target = folder / name
-            previous = _sha256(target) if target.is_file() else None
+            previous = there[name]
             if previous is not None:
                 (folder / PREVIOUS).mkdir(exist_ok=True)
                 keep = folder / PREVIOUS / name

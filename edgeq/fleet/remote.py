@@ -221,7 +221,7 @@ def push_to(
 
     The first command reads the device's whole state (edgeq.fleet.state: health, the edgeq
     build it runs, each file's sha256, the live record); a push that would change nothing is
-    done there, in that one command. Otherwise the bootstrap and the upload run as before.
+    done there, in that one command.
     """
     on_event(device.name, "connecting")
     with connect(device) as transport:
@@ -229,59 +229,45 @@ def push_to(
 
 
 def _push(transport: Transport, files, on_event: Event, health: HealthLimits | None, **kwargs) -> PushSummary:
-    """One state command first; then nothing, or the changed files and one command to make them
-    live, or (edgeq to install, an interrupted upload to clean up) the bootstrap and the careful path."""
+    """One state command first. Where edgeq is current, only the changed files are uploaded and
+    one more command makes them live (none when nothing changed); edgeq to install, or an
+    interrupted upload to clean up, takes the bootstrap and the careful path."""
     device = transport.device
     files = with_manifests(list(files)) if files else []
-    unchanged, state = _unchanged_push(transport, files, health, kwargs.get("wheel"))
-    if unchanged is not None:
-        on_event(device.name, "up to date")
-        return unchanged
-    if state is not None:  # edgeq is current: upload what changed, then one command makes it live
-        on_event(device.name, f"pushing {len(files)} file(s)")
+    state = _current_state(transport, files, health, kwargs.get("wheel"))
+    if state is not None:
         try:
             records = upload_and_commit(transport, files, state.sha256, dict(state.live), state.models_dir)
         except EdgeqError as exc:  # e.g. a corrupted upload: the careful path retries file by file
             log.warning("%s: %s; pushing file by file", device.name, exc)
         else:
+            uploaded = sum(r.status == "uploaded" for r in records)
+            on_event(device.name, f"pushed {uploaded} file(s)" if uploaded else "up to date")
             runtime, _ = runtime_layout(device, expand=transport.expand)
             return PushSummary(runtime, tuple(records), transport.commands)
     summary = push_to_device(transport, files, on_event, **kwargs)
     return dataclasses.replace(summary, commands=transport.commands)
 
 
-def _unchanged_push(transport: Transport, files: list[Path], health: HealthLimits | None, wheel):
-    """(the push's summary, None) when the device already holds everything it would write (one
-    command read it all); (None, its state) when only files differ and edgeq is current; (None,
-    None) when edgeq must be installed first. A failed health check raises DeviceUnhealthy from
-    that same read."""
-    from edgeq.artifacts import sha256_file
+def _current_state(transport: Transport, files: list[Path], health: HealthLimits | None, wheel):
+    """The device's state, read in one command (edgeq.fleet.state), when it runs this edgeq build
+    and holds no interrupted upload; else None. A failed health check raises DeviceUnhealthy
+    from that same read."""
     from edgeq.fleet.bootstrap import wheel_digest
     from edgeq.fleet.push import safe_name
     from edgeq.fleet.state import read_state
 
     device = transport.device
-    names = [safe_name(Path(f).name) for f in files]
-    runtime, marker = runtime_layout(device, expand=lambda path: path)  # ~ is expanded on the device
-    state = read_state(transport, device.workdir, marker, names)
+    _, marker = runtime_layout(device, expand=lambda path: path)  # ~ is expanded on the device
+    state = read_state(transport, device.workdir, marker, [safe_name(Path(f).name) for f in files])
     if state.home.startswith("/"):
         transport.home = state.home
     if health is not None:
         need = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
         check_health(transport, device.workdir, health, need, state.health)
-    if state.marker is None or state.marker != wheel_digest(wheel):
-        return None, None
-    if state.leftover:  # an interrupted upload to clean up: the careful path does
-        return None, None
-    records = []
-    for path, name in zip(files, names):
-        digest = sha256_file(path)
-        if state.sha256.get(name) != digest or (state.live.get(path.name) or {}).get("sha256") != digest:
-            return None, state
-        target = confine(transport.expand(device.workdir), "models", name)
-        records.append(FileTransfer(path.name, target, digest, path.stat().st_size, "unchanged", 0.0, 0))
-    runtime, _ = runtime_layout(device, expand=transport.expand)
-    return PushSummary(runtime, tuple(records), transport.commands), state
+    if state.marker is None or state.marker != wheel_digest(wheel) or state.leftover:
+        return None
+    return state
 
 
 def rollback_on(device: Device, names: Sequence[str], on_event: Event = _noop, runtime: bool = False) -> list[Rollback]:

@@ -474,10 +474,15 @@ class OpSummary:
     int16_share: float = 0.0
 
 
+def precision_counts(desc: ModelDesc) -> dict[str, int]:
+    """How many ops of the main subgraph compute in each precision: int8, int16 (16x8), float, other."""
+    return dict(Counter(op_precision(desc, op) for op in desc.main.operators))
+
+
 def op_summary(desc: ModelDesc) -> OpSummary:
     sg = desc.main
     counts = Counter(op.op_type for op in sg.operators)
-    kinds = Counter(op_precision(desc, op) for op in sg.operators)
+    kinds = precision_counts(desc)
     total = len(sg.operators)
     int8, floats, int16 = kinds.get("int8", 0), kinds.get("float", 0), kinds.get("int16", 0)
     return OpSummary(
