@@ -418,8 +418,8 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     ):
         raise UsageError(
             f"{source_name} has {len(shapes)} input(s) and {len(keras_model.outputs)} output(s): --equalize, "
-            "--bias-correct, --plan and --ptq METHOD take one-input one-output models; convert it with --ptq "
-            "auto|converter (the converter's ranges)"
+            "--bias-correct, --plan, --ptq METHOD and --weight-bits 4 take one-input one-output models; convert it "
+            "with --ptq auto|converter (the converter's ranges) and 8-bit weights"
         )
     if equalize or plan or bias_correct:  # graph transforms work on tf_keras: a Keras 3 model is translated
         keras_model = as_tf_keras(keras_model)
