@@ -490,10 +490,18 @@ class SSHTransport(Transport):
             raise DeviceError(f"{self.device.name}: cannot create {path}: {result.last_error_line()}")
 
     def close(self) -> None:
+        """Close the session and wait for paramiko's reader thread to end.
+
+        paramiko's close() stops that thread without joining it, so it outlives the device by
+        up to a read timeout; joined here, a fleet run keeps no thread per device it is done with.
+        """
+        reader = self._client.get_transport() if self._client is not None else None
         for thing in (self._sftp, self._client, self._jump):
             if thing is not None:
                 with contextlib.suppress(Exception):  # closing a dead connection may raise anything
                     thing.close()
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout=30)  # ends at once: its socket is closed; 30 s only bounds a wedged one
         self._sftp = self._client = self._jump = None
 
 

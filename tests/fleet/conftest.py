@@ -260,3 +260,71 @@ def edgeq_popen(*args, cwd) -> subprocess.Popen:
         # SIGINT as a terminal gives it, even when the test run is a background job (SIGINT ignored)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+HOST_CPU: dict[str, float] = {}  # CPU seconds of each host command run by run_edgeq, by its log's name
+
+
+def run_edgeq(*args, cwd: Path, log: Path, main: str = EDGEQ_MAIN, env: dict | None = None, preexec_fn=None):
+    """Run ``edgeq ARGS`` as a child; (exit code, wall seconds, peak RSS MiB, stdout+stderr).
+
+    ``main``: the Python source the child runs (edgeq's CLI); ``preexec_fn``: run in the child first.
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", main, *[str(a) for a in args]],
+            cwd=cwd,
+            stdout=out,
+            stderr=out,
+            env=env,
+            preexec_fn=preexec_fn,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    HOST_CPU[log.stem] = usage.ru_utime + usage.ru_stime
+    return proc.returncode, time.monotonic() - start, usage.ru_maxrss / 1024, log.read_text()
+
+
+def summary_rows(text: str, header: str) -> dict[str, list[str]]:
+    """The summary table's rows (the one whose first line starts with ``header``), by device."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [header])
+    rows = {}
+    for line in lines[start + 1 :]:
+        parts = line.split()
+        if not parts or not parts[0].startswith("dev"):
+            break
+        rows[parts[0]] = parts
+    return rows
+
+
+def loopback_fleet(root: Path, names: list[str], python_of, venvs=()) -> tuple[Path, dict[str, SSHServer]]:
+    """One OpenSSH sshd per device on a loopback port, each with its own host key and work folder.
+
+    ``python_of(name)``: the device's Python; devices in ``venvs`` get a virtualenv, the others
+    run edgeq from unpacked wheels (site mode). All name one wheelhouse. Returns the inventory
+    (TOML, with a known_hosts file) and each device's server.
+    """
+    client_pub = keygen(root / "client_ed25519")
+    servers, blocks, known = {}, ['[defaults]\nknown_hosts = "{}"\n'.format(root / "known_hosts")], []
+    for name in names:
+        try:
+            server = start_sshd(root / name / "sshd", client_pub)
+        except BaseException:  # no sshd left behind by a fleet that could not be built
+            for started in servers.values():
+                started.kill()
+            raise
+        servers[name] = server
+        known.append(server.known_hosts_line())
+        extra = f'venv = "{root / name / "venv"}"\n' if name in venvs else ""
+        blocks.append(
+            f'[devices.{name}]\nhost = "127.0.0.1"\nport = {server.port}\nuser = "root"\n'
+            f'identity_file = "{root / "client_ed25519"}"\nworkdir = "{root / name / "home" / "edgeq"}"\n'
+            f'python = "{python_of(name)}"\nwheelhouse = "{root / "wheelhouse"}"\n{extra}'
+        )
+    (root / "known_hosts").write_text("\n".join(known) + "\n")
+    inventory = root / "devices.toml"
+    inventory.write_text("\n".join(blocks))
+    return inventory, servers

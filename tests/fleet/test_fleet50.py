@@ -23,15 +23,12 @@ What it shows, in the order it runs:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from .conftest import DIGITS, EDGEQ_MAIN, INT8, ROOT, free_port, host_python, keygen, start_sshd
+from .conftest import DIGITS, HOST_CPU, INT8, free_port, host_python, loopback_fleet
+from .conftest import run_edgeq as _edgeq
+from .conftest import summary_rows as _rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleet_env")]
 
@@ -67,69 +64,29 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-HOST_CPU: dict[str, float] = {}  # CPU seconds of each host command, by its log's name
-
-
-def _edgeq(*args, cwd: Path, log: Path) -> tuple[int, float, float, str]:
-    """Run ``edgeq ARGS`` as a child; (exit code, wall seconds, peak RSS MiB, stdout+stderr)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", EDGEQ_MAIN, *[str(a) for a in args]], cwd=cwd, stdout=out, stderr=out, env=env
-        )
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    HOST_CPU[log.stem] = usage.ru_utime + usage.ru_stime
-    return proc.returncode, time.monotonic() - start, usage.ru_maxrss / 1024, log.read_text()
-
-
-def _rows(text: str, header: str) -> dict[str, list[str]]:
-    """The summary table's rows (the one whose first line starts with ``header``), by device."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [header])
-    rows = {}
-    for line in lines[start + 1 :]:
-        parts = line.split()
-        if not parts or not parts[0].startswith("dev"):
-            break
-        rows[parts[0]] = parts
-    return rows
-
-
 @pytest.fixture(scope="module")
 def fifty(tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet50")
-    client_pub = keygen(root / "client_ed25519")
     python = host_python()
-    servers, blocks, known = {}, ['[defaults]\nknown_hosts = "{}"\n'.format(root / "known_hosts")], []
-    for i in range(N):
-        name = f"dev{i:02d}"
-        server = start_sshd(root / name / "sshd", client_pub)
-        servers[name] = server
-        known.append(server.known_hosts_line())
-        device_python = python
-        if name in VICTIMS:
-            kill = root / name / "kill_device.py"
-            kill.write_text(KILL_DEVICE)
-            device_python = root / name / "python"
-            device_python.write_text(
-                "#!/bin/sh\n"
-                f'if [ -e "{root / "armed"}" ]; then case " $* " in\n'
-                f'  *" edgeq profile "*) exec "{python}" "{kill}" "{server.folder / "sshd.pid"}" ;;\n'
-                "esac; fi\n"
-                f'exec "{python}" "$@"\n'
-            )
-            device_python.chmod(0o755)
-        extra = f'venv = "{root / name / "venv"}"\n' if i % 2 == 0 else ""
-        blocks.append(
-            f'[devices.{name}]\nhost = "127.0.0.1"\nport = {server.port}\nuser = "root"\n'
-            f'identity_file = "{root / "client_ed25519"}"\nworkdir = "{root / name / "home" / "edgeq"}"\n'
-            f'python = "{device_python}"\nwheelhouse = "{root / "wheelhouse"}"\n{extra}'
+
+    def device_python(name: str) -> str:
+        if name not in VICTIMS:
+            return python
+        kill = root / name / "kill_device.py"
+        kill.write_text(KILL_DEVICE)
+        wrapper = root / name / "python"
+        wrapper.write_text(
+            "#!/bin/sh\n"
+            f'if [ -e "{root / "armed"}" ]; then case " $* " in\n'
+            f'  *" edgeq profile "*) exec "{python}" "{kill}" "{root / name / "sshd" / "sshd.pid"}" ;;\n'
+            "esac; fi\n"
+            f'exec "{python}" "$@"\n'
         )
-    (root / "known_hosts").write_text("\n".join(known) + "\n")
-    inventory = root / "devices.toml"
-    inventory.write_text("\n".join(blocks))
+        wrapper.chmod(0o755)
+        return str(wrapper)
+
+    names = [f"dev{i:02d}" for i in range(N)]
+    inventory, servers = loopback_fleet(root, names, device_python, venvs=names[::2])
     yield root, inventory, servers
     for server in servers.values():
         if server.proc.poll() is None:
