@@ -24,7 +24,7 @@ from edgeq.data import DEFAULT_CALIBRATION_SAMPLES, Dataset, HeldOut, Normalizat
 from edgeq.errors import ConversionError, DataError, IntegerOnlyError, UsageError
 from edgeq.metrics import compare_outputs
 from edgeq.numerics import ROUNDINGS
-from edgeq.ranges import ACTIVATION_METHODS, WEIGHT_METHODS
+from edgeq.quantize.ranges import ACTIVATION_METHODS, WEIGHT_METHODS
 from edgeq.runtime.flatbuffer import precision_counts, verify_tflite
 from edgeq.runtime.inputs import ROUNDING as INPUT_ROUNDING
 from edgeq.runtime.inputs import manifest_beside
@@ -111,7 +111,7 @@ FLOAT_DTYPES = {"float32", "float16", "float64"}
 VERIFY_SAMPLES = 200  # held-out samples verification compares on (and a --ptq search chooses on)
 
 # --ptq: who chooses the ranges of integer post-training quantization. "converter" is the
-# TFLite converter's own min/max calibration; the others are edgeq's (edgeq.ptq), set into
+# TFLite converter's own min/max calibration; the others are edgeq's (edgeq.quantize.ptq), set into
 # fake-quant ops. "auto" converts with the converter's ranges first and stops there when the
 # SQNR reaches the target (the verification threshold unless --ptq-target raises it), so a
 # model the converter handles well costs one conversion. Otherwise edgeq's methods are scored
@@ -655,8 +655,8 @@ def _quantize(
 
 def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, is_qat) -> tuple[bytes, int]:
     """One TFLiteConverter run; integer-only results get their requantize pairs fused."""
+    from edgeq.quantize.passes import fuse_requantize
     from edgeq.shims.tflite import native_output_silenced
-    from edgeq.tflite_passes import fuse_requantize
 
     granularity = "per-channel" if is_qat else options.granularity
     converter = _converter(
@@ -680,9 +680,6 @@ def _convert_searching_ranges(
     samples (``held.x_select``) are disjoint from the ones verification then gates and records.
     Returns the flatbuffer and the manifest's record of every candidate (and a note).
     """
-    from edgeq.model_io import as_tf_keras
-    from edgeq.ptq import RangeCalibration
-
     methods = PTQ_AUTO if options.ptq == "auto" else (options.ptq,)
     target = options.ptq_target_db
     if target is None:
@@ -723,23 +720,11 @@ def _convert_searching_ranges(
     if ours and not stopped:
         start = time.perf_counter()
         try:
-            calibration = RangeCalibration(
-                as_tf_keras(keras_model),
-                dataset.calibration_samples(options.calib_samples),
-                options.granularity == "per-tensor",
-                fold=rounding != "nearest",
-                weight_bits=options.weight_bits,
+            found, pick, simulated, flatbuffer = _edgeq_ranges(
+                keras_model, spec, dataset, options, ours, reference, x_check
             )
-            simulated = {}
-            for method in ours:
-                qat, _ = calibration.model(method, options.weight_ranges, rounding, options.seed)
-                if len(ours) > 1:
-                    simulated[method] = compare_outputs(reference, qat.predict(x_check, batch_size=64, verbose=0))
-            pick = max(ours, key=lambda m: simulated[m].sqnr_db) if simulated else ours[0]
-            if pick != ours[-1]:  # the fake-quant variables hold the last method's ranges
-                qat, _ = calibration.model(pick, options.weight_ranges, rounding, options.seed)
-            flatbuffer, _ = _convert_tflite(qat, spec, dataset, options, True)
             cmp = measured(flatbuffer)
+            calibration = found
         except (UsageError, DataError):
             raise
         except Exception as exc:
@@ -761,23 +746,8 @@ def _convert_searching_ranges(
         raise ConversionError(
             f"every --ptq candidate failed: {'; '.join(c['method'] + ': ' + c['error'] for c in candidates)}"
         )
-    tried = ", ".join(_described(c) for c in candidates)
-    note = (
-        f"--ptq {options.ptq}: {best[0]} ranges chosen by SQNR vs FP32 on {len(x_check)} {split} samples, "
-        f"not those verification uses ({tried}"
-        f"{'; stopped at the target ' + format(target, '.1f') + ' dB' if stopped and ours else ''})"
-    )
-    rounding_record = {"method": "nearest", "seed": None, "layers": []}
-    if (rounding != "nearest" or options.weight_bits != 8) and calibration is not None:
-        rounding_record = calibration.rounding | {"weight_bits": options.weight_bits}
-        layers = rounding_record["layers"]
-        note += (
-            f"; {options.weight_bits}-bit weights rounded by {rounding} (seed {options.seed}) in {len(layers)} layers"
-        )
-        if rounding == "adaround" and layers:
-            before = float(np.mean([la["output_mse_nearest"] for la in layers]))
-            after = float(np.mean([la["output_mse"] for la in layers]))
-            note += f", mean layer output MSE {before:.3g} -> {after:.3g} vs nearest"
+    stopped_at = target if stopped and ours else None
+    note, rounding_record = _search_note(options, best[0], candidates, held, stopped_at, calibration)
     record = {
         "requested": options.ptq,
         "chosen": best[0],
@@ -790,6 +760,53 @@ def _convert_searching_ranges(
         "note": note,
     }
     return best[2], record
+
+
+def _edgeq_ranges(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, methods, reference, x_check):
+    """edgeq's range methods: one calibration pass, each method scored in the fake-quant model
+    (when there are several), the best converted. Returns (calibration, method, simulated scores, flatbuffer)."""
+    from edgeq.model_io import as_tf_keras
+    from edgeq.quantize.ptq import RangeCalibration
+
+    calibration = RangeCalibration(
+        as_tf_keras(keras_model),
+        dataset.calibration_samples(options.calib_samples),
+        options.granularity == "per-tensor",
+        fold=options.rounding != "nearest",
+        weight_bits=options.weight_bits,
+    )
+    simulated = {}
+    for method in methods:
+        qat, _ = calibration.model(method, options.weight_ranges, options.rounding, options.seed)
+        if len(methods) > 1:
+            simulated[method] = compare_outputs(reference, qat.predict(x_check, batch_size=64, verbose=0))
+    pick = max(methods, key=lambda m: simulated[m].sqnr_db) if simulated else methods[0]
+    if pick != methods[-1]:  # the fake-quant variables hold the last method's ranges
+        qat, _ = calibration.model(pick, options.weight_ranges, options.rounding, options.seed)
+    flatbuffer, _ = _convert_tflite(qat, spec, dataset, options, True)
+    return calibration, pick, simulated, flatbuffer
+
+
+def _search_note(options: ConvertOptions, chosen: str, candidates, held, stopped_at, calibration):
+    """The manifest's note on a --ptq search, and its record of how the weights were rounded."""
+    tried = ", ".join(_described(c) for c in candidates)
+    note = (
+        f"--ptq {options.ptq}: {chosen} ranges chosen by SQNR vs FP32 on {len(held.x_select)} {held.split} samples, "
+        f"not those verification uses ({tried}"
+        f"{'; stopped at the target ' + format(stopped_at, '.1f') + ' dB' if stopped_at is not None else ''})"
+    )
+    rounding, record = options.rounding, {"method": "nearest", "seed": None, "layers": []}
+    if (rounding != "nearest" or options.weight_bits != 8) and calibration is not None:
+        record = calibration.rounding | {"weight_bits": options.weight_bits}
+        layers = record["layers"]
+        note += (
+            f"; {options.weight_bits}-bit weights rounded by {rounding} (seed {options.seed}) in {len(layers)} layers"
+        )
+        if rounding == "adaround" and layers:
+            before = float(np.mean([la["output_mse_nearest"] for la in layers]))
+            after = float(np.mean([la["output_mse"] for la in layers]))
+            note += f", mean layer output MSE {before:.3g} -> {after:.3g} vs nearest"
+    return note, record
 
 
 def _calibration_record(dataset: Dataset, n: int) -> dict:
@@ -898,7 +915,7 @@ def _plan_float_layers(keras_model, plan, resolved: dict | None = None) -> list[
 
 def _plan_ranges(plan, ptq: str) -> str:
     """Activation ranges for --plan: --ptq METHOD when given, else those the plan was measured with."""
-    from edgeq.ranges import ACTIVATION_METHODS
+    from edgeq.quantize.ranges import ACTIVATION_METHODS
 
     if ptq in ACTIVATION_METHODS:
         return ptq
@@ -960,7 +977,7 @@ def _convert_mixed(keras_model, plan, wide: list[str], dataset, samples, notes) 
 
 def _convert_with_plan(keras_model, plan, dataset, samples, granularity, ranges, notes, integer_only=False) -> bytes:
     """Full integer except the layers the plan keeps float (denylisted at quantization)."""
-    from edgeq.calibration import calibrate
+    from edgeq.quantize.calibration import calibrate
 
     resolved = _plan_resolved(keras_model, plan)
     wide = _plan_wide_layers(keras_model, plan, resolved)

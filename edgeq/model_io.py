@@ -17,7 +17,7 @@ from edgeq.compat import keras
 from edgeq.errors import ModelLoadError
 from edgeq.keras3 import is_keras3_model, keras_flavour_of_file, to_tf_keras
 from edgeq.names import input_names, output_names, producer_of
-from edgeq.quantize_configs import quantize_scope
+from edgeq.quantize.configs import quantize_scope
 
 # The files of a training run (edgeq train --out DIR).
 FP32_NAME = "fp32.keras"

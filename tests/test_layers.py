@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "edgeq"
 # Bottom to top. A module belongs to the first entry that is its name or a package above it.
 LAYERS: list[tuple[str, ...]] = [
     ("edgeq.errors",),
-    ("edgeq.numerics", "edgeq.ranges"),
+    ("edgeq.numerics", "edgeq.quantize.ranges"),  # numpy: range methods and observers
     ("edgeq.metrics",),
     ("edgeq.tasks", "edgeq.detection"),
     ("edgeq.shims.litert",),
@@ -28,13 +28,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.names",),  # no TensorFlow: attribute reads of a Keras model
     ("edgeq.compat",),
     ("edgeq.shims.tflite", "edgeq.shims.tfmot"),
-    ("edgeq.quantize_configs",),
+    ("edgeq.quantize.configs",),  # TF-MOT configs, below training, which wraps with them
     ("edgeq.data",),
     ("edgeq.model_io", "edgeq.keras3"),
     ("edgeq.zoo",),
     ("edgeq.transforms",),
     ("edgeq.training",),
-    ("edgeq.calibration", "edgeq.tflite_passes", "edgeq.ptq", "edgeq.quantize"),
+    ("edgeq.quantize",),  # the engine: calibration, PTQ, TFLite passes, mixed precision
     ("edgeq.evaluation",),
     ("edgeq.conversion",),
     ("edgeq.analysis",),

@@ -105,7 +105,7 @@ def test_int4_weight_copy_of_a_depthwise_conv_is_per_channel():
 
 
 def test_sensitivity_reports_the_mean_channel_sqnr_and_the_worst_channel():
-    from edgeq.calibration import _channel_sqnr, _mean_channel_sqnr, _worst_channel_sqnr
+    from edgeq.quantize.calibration import _channel_sqnr, _mean_channel_sqnr, _worst_channel_sqnr
 
     rng = np.random.default_rng(0)
     f = rng.normal(0, 1, size=(256, 4))

@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 
-from edgeq.ranges import activation_range, fake_quant_asymmetric, quantization_mse, weight_ranges
+from edgeq.quantize.ranges import activation_range, fake_quant_asymmetric, quantization_mse, weight_ranges
 from tests.conftest import assert_one_line_error
 
 
@@ -80,7 +80,7 @@ def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digi
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
-    from edgeq.ptq import RangeCalibration
+    from edgeq.quantize.ptq import RangeCalibration
     from edgeq.runtime.interpreter import TFLiteModel
 
     d = load_dataset("digits")
@@ -106,7 +106,7 @@ def test_the_chosen_ranges_are_the_ranges_in_the_tflite(digits_run, tmp_path):
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
-    from edgeq.ptq import RangeCalibration
+    from edgeq.quantize.ptq import RangeCalibration
     from edgeq.runtime.interpreter import TFLiteModel
 
     d = load_dataset("digits")
@@ -242,7 +242,7 @@ def test_chosen_rounding_reaches_the_tflite_as_those_int8_values(digits_run, tmp
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
-    from edgeq.ptq import RangeCalibration
+    from edgeq.quantize.ptq import RangeCalibration
 
     d = load_dataset("digits")
     calibration = RangeCalibration(load_keras_model(digits_run.fp32_model), d.calibration_samples(64), fold=True)
@@ -363,8 +363,8 @@ def _hot_pixel_digits(samples=128):
 
 def test_analyze_calibration_takes_edgeqs_range_methods(digits_run):
     """sensitivity/plan quantize from one calibration: an entropy-ranged one beats min/max on an outlier."""
-    from edgeq.calibration import calibrate, predict
     from edgeq.model_io import load_keras_model
+    from edgeq.quantize.calibration import calibrate, predict
     from edgeq.shims.tflite import tensor_ranges
 
     d = _hot_pixel_digits()
@@ -411,7 +411,7 @@ def test_concatenations_get_one_range_so_the_converter_adds_no_requantization(tm
     the chain one range, the union, as the converter's own calibration does."""
     from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
-    from edgeq.ptq import RangeCalibration
+    from edgeq.quantize.ptq import RangeCalibration
     from edgeq.runtime.flatbuffer import read_tflite
 
     layers = keras.layers
@@ -550,10 +550,10 @@ def test_the_range_observer_keeps_a_uniform_sample_in_bounded_memory(monkeypatch
     """Calibration adds one sample at a time: 400 adds of 1,000 values with a cap of 2,000.
     The sample stays at the cap, and each add's share of it is its share of the values seen
     (the old one grew by 1/8 of each add past the cap, and kept the first adds 8x as often)."""
-    from edgeq.training import observe
+    from edgeq.quantize import ranges
 
-    monkeypatch.setattr(observe, "_SAMPLE_CAP", 2000)
-    observer = observe.Observer(np.random.default_rng(0))
+    monkeypatch.setattr(ranges, "_SAMPLE_CAP", 2000)
+    observer = ranges.Observer(seed=0)
     for batch in range(400):
         observer.add(np.full(1000, batch, dtype=np.float32) + np.linspace(0, 0.5, 1000, dtype=np.float32))
     values = observer.values()
@@ -561,6 +561,14 @@ def test_the_range_observer_keeps_a_uniform_sample_in_bounded_memory(monkeypatch
     assert values.min() == 0.0 and values.max() == np.float32(399.5)
     share_first = np.mean(np.floor(values) < 40)  # the first tenth of the adds
     assert 0.07 < share_first < 0.13, share_first
+    # what it keeps depends on the values and their order only, not on how they were batched
+    one_by_one, batched = ranges.Observer(seed=3), ranges.Observer(seed=3)
+    stream = np.random.default_rng(1).normal(size=6000).astype(np.float32)
+    for i in range(0, 6000, 250):
+        one_by_one.add(stream[i : i + 250])
+    for i in range(0, 6000, 1500):
+        batched.add(stream[i : i + 1500])
+    assert np.array_equal(np.sort(one_by_one.values()), np.sort(batched.values()))
 
 
 def test_w4a8_stores_4_bit_codes_in_integer_kernels_and_adaround_lowers_the_error(cli, digits_run, tmp_path):
@@ -620,3 +628,56 @@ def test_adaround_learns_a_strided_1x1_convolution_exactly_as_the_layer_computes
         assert got.shape == expected.shape and np.allclose(got, expected, atol=1e-5)
         codes, result = adaround(layer, x, kernel_scale(layer), iterations=20)
         assert np.abs(codes).max() <= 127 and result.output_mse <= result.output_mse_nearest
+
+
+@pytest.mark.parametrize("method", ["percentile", "mse", "entropy"])
+def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path, method):
+    """One range engine: ``analyze --ranges M`` (the converter's calibration, its tensors
+    re-ranged by edgeq) and ``convert --ptq M`` (edgeq's ranges in fake-quant ops) observe the
+    same tensors on the same samples with the same observers, so every int8 tensor of the two
+    models has the same scale and zero point: a sensitivity or a plan measured with M is the
+    model convert --ptq M writes."""
+    from edgeq.compat import keras
+    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.data import load_dataset
+    from edgeq.quantize.calibration import calibrate
+    from edgeq.runtime.flatbuffer import read_tflite
+
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((12, 12, 3))
+    x = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(inp)))
+    x = layers.Concatenate()([layers.Conv2D(6, 1, activation="relu")(x), layers.MaxPooling2D(1)(x)])
+    x = layers.Flatten()(layers.AveragePooling2D(2)(x))
+    model = keras.Model(inp, layers.Dense(5)(x))
+    rng = np.random.default_rng(0)
+    samples = rng.normal(0.3, 0.2, (48, 12, 12, 3))
+    samples[7, 3, 5, 1] = 8.0  # one outlier
+    model(samples.astype(np.float32), training=True)  # BN statistics of a sort
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=samples.astype(np.float32))
+    dataset = load_dataset(f"npz:{calib}", (12, 12, 3), labels_required=False)
+
+    analyzed = tmp_path / "analyzed.tflite"
+    analyzed.write_bytes(calibrate(model, dataset, 48, ranges=method).quantize())
+    converted = tmp_path / "converted.tflite"
+    options = ConvertOptions(mode="int8", calib=f"npz:{calib}", calib_samples=48, ptq=method, min_sqnr_db=-100.0)
+    convert(model, converted, options)
+
+    def activations(path):
+        graph = read_tflite(path).subgraphs[0]
+        return [
+            (op.op_type, graph.tensors[t].scale[0], graph.tensors[t].zero_point[0])
+            for op in graph.operators
+            for t in op.outputs
+            if graph.tensors[t].dtype == "int8"
+        ]
+
+    a, c = sorted(activations(analyzed)), sorted(activations(converted))  # the two list the ops in other orders
+    assert [op for op, _, _ in a] == [op for op, _, _ in c], (a, c)
+    for (op, scale_a, zp_a), (_, scale_c, zp_c) in zip(a, c):
+        assert scale_c == pytest.approx(scale_a, rel=1e-4) and abs(zp_a - zp_c) <= 1, (op, a, c)
+    minmax = tmp_path / "minmax.tflite"  # and M is not min/max by another name: some range is clipped
+    minmax.write_bytes(calibrate(model, dataset, 48).quantize())
+    narrower = [op for (op, s_m, _), (_, s_a, _) in zip(sorted(activations(minmax)), a) if s_a < 0.99 * s_m]
+    assert narrower, (a, activations(minmax))

@@ -15,9 +15,9 @@ EXACT_LAYERS = 4  # exact sensitivity is timed on this many layers and reported 
 def measure() -> dict:
     from edgeq import zoo
     from edgeq.analysis.sensitivity import fast_sensitivity
-    from edgeq.calibration import calibrate, predict
     from edgeq.compat import keras, tf
     from edgeq.data import load_dataset
+    from edgeq.quantize.calibration import calibrate, predict
 
     keras.utils.set_random_seed(0)
     dataset = load_dataset("synthetic:96x96x3:10")

@@ -193,7 +193,7 @@ def bare_conversion_seconds(path, data) -> float:
 
 
 def measure() -> list[dict]:
-    from edgeq.ranges import ACTIVATION_METHODS
+    from edgeq.quantize.ranges import ACTIVATION_METHODS
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -306,7 +306,7 @@ def trained_architectures() -> list[dict]:
     from edgeq.compat import keras
     from edgeq.data import load_dataset
     from edgeq.evaluation import evaluate
-    from edgeq.ranges import ACTIVATION_METHODS
+    from edgeq.quantize.ranges import ACTIVATION_METHODS
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

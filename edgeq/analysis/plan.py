@@ -24,8 +24,8 @@ import numpy as np
 
 from edgeq.analysis.sensitivity import exact_sensitivity, load_fp32_with_data, quality_of
 from edgeq.artifacts import write_json_atomic
-from edgeq.calibration import calibrate, predict
 from edgeq.errors import UsageError
+from edgeq.quantize.calibration import calibrate, predict
 from edgeq.transforms.int4 import int4_weight_copy
 
 FALLBACKS = ("float", "int16")  # what a layer that int8 hurts becomes

@@ -8,7 +8,7 @@ exact: for each layer, the model quantized everywhere but there, and quantized o
        there; accuracy and output MSE against FP32 on real data.
 
 The calibrated model is made once; every variant is a re-quantization of it
-(``edgeq.calibration``), as the debugger itself does.
+(``edgeq.quantize.calibration``), as the debugger itself does.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from edgeq.calibration import Calibrated, calibrate, predict
 from edgeq.errors import UsageError
 from edgeq.metrics import predicted_classes
+from edgeq.quantize.calibration import Calibrated, calibrate, predict
 from edgeq.shims.tflite import native_output_silenced
 from edgeq.tasks import OutputSpec, drop, score, task
 
@@ -65,7 +65,7 @@ class SensitivityReport:
     exact: tuple[ExactSensitivity, ...]
     seconds_fast: float
     seconds_exact: float
-    ranges: str = "minmax"  # activation range method (edgeq.ranges); minmax is the converter's own
+    ranges: str = "minmax"  # activation range method (edgeq.quantize.ranges); minmax is the converter's own
     metric: str = "accuracy"  # what fp32/int8_accuracy and the exact ranking measure: the output's task metric
 
     def to_dict(self) -> dict:

@@ -303,3 +303,32 @@ def save_histograms(model_path: str | Path, out_dir: str | Path, bins: int = 80)
         plt.close(fig)
         written.append(target)
     return written
+
+
+def weights_document(model, reports, plots_dir, rounding, data, samples: int, seed: int) -> dict:
+    """``analyze weights --json``: every figure, where the histograms are, and the rounding errors."""
+    document = {"kind": "edgeq.analysis.weights", "model": str(model), "layers": [r.to_dict() for r in reports]}
+    if plots_dir:  # where the histograms are, for `edgeq report`
+        document["plots"] = str(plots_dir)
+    if rounding:
+        document["rounding"] = {"data": data, "samples": samples, "seed": seed, "layers": [asdict(e) for e in rounding]}
+    return document
+
+
+def write_weights_csv(reports, path) -> None:
+    """``analyze weights --csv``: one row per layer, with the SQNR of every quantization choice."""
+    import csv
+
+    from edgeq.artifacts import atomic_path
+
+    header = ["layer", "kind", "shape", "min", "max", "mean", "std", "kurtosis", "outlier_fraction"]
+    header += ["channel_range_spread", "recommendation"]
+    combos = [(e.bits, e.granularity, e.scheme, e.rounding) for e in reports[0].errors] if reports else []
+    header += [f"sqnr_db_int{b}_{g}_{s}_{r}" for b, g, s, r in combos]
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(header)
+        for r in reports:
+            row = [r.name, r.kind, "x".join(map(str, r.shape)), r.min, r.max, r.mean, r.std, r.kurtosis]
+            row += [r.outlier_fraction, r.channel_range_spread, r.recommendation]
+            writer.writerow(row + [r.error(*c).sqnr_db for c in combos])

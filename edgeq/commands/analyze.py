@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from edgeq.commands.ui import table
-from edgeq.ranges import ACTIVATION_METHODS
+from edgeq.quantize.ranges import ACTIVATION_METHODS
 
 _ranges_option = click.option(
     "--ranges",
@@ -38,122 +38,67 @@ def weights(model, json_path, csv_path, plots_dir, data, calib_samples, seed):
     """Per-layer weight statistics of MODEL (Keras or .tflite) and the error of each
     quantization choice: INT8/INT4, per-tensor/per-channel, symmetric/asymmetric,
     nearest/stochastic rounding (and AdaRound with --data). Most outlier-heavy layer first."""
-    from edgeq.analysis.weights import analyze_weights, rounding_errors, save_histograms
-    from edgeq.artifacts import atomic_path, write_json_atomic
+    from edgeq.analysis.weights import (
+        analyze_weights,
+        rounding_errors,
+        save_histograms,
+        weights_document,
+        write_weights_csv,
+    )
+    from edgeq.artifacts import write_json_atomic
 
     reports = analyze_weights(model, seed)
     rounding = rounding_errors(model, data, calib_samples, seed) if data else []
-    rows = []
-    for r in reports:
-        rows.append(
-            (
-                r.name,
-                r.kind,
-                "x".join(map(str, r.shape)),
-                f"{r.std:.3g}",
-                f"{r.kurtosis:.1f}",
-                f"{r.outlier_fraction:.2%}",
-                f"{r.channel_range_spread:.1f}x",
-                f"{r.error(8, 'per-tensor').sqnr_db:.1f}",
-                f"{r.error(8, 'per-channel').sqnr_db:.1f}",
-                f"{r.error(4, 'per-channel').sqnr_db:.1f}",
-                f"{r.error(4, 'per-channel', rounding='stochastic').sqnr_db:.1f}",
-                r.recommendation,
-            )
-        )
-    click.echo(
-        table(
-            [
-                "layer",
-                "kind",
-                "shape",
-                "std",
-                "kurtosis",
-                "outliers",
-                "ch. spread",
-                "int8 t dB",
-                "int8 ch dB",
-                "int4 ch dB",
-                "int4 ch sr dB",
-                "recommendation",
-            ],
-            rows,
-        )
-    )
+    click.echo(_weights_table(reports))
     if rounding:
-        by_layer: dict[str, dict] = {}
-        for e in rounding:
-            by_layer.setdefault(e.layer, {})[e.method] = e
         click.echo(f"\nINT8 per-channel rounding on {calib_samples} samples of {data} (seed {seed}): output MSE")
-        click.echo(
-            table(
-                ["layer", "nearest", "stochastic", "adaround", "adaround flipped", "adaround vs nearest"],
-                [
-                    (
-                        name,
-                        f"{m['nearest'].output_mse:.3g}",
-                        f"{m['stochastic'].output_mse:.3g}",
-                        f"{m['adaround'].output_mse:.3g}",
-                        f"{m['adaround'].flipped:.1%}",
-                        f"{m['adaround'].output_mse / m['nearest'].output_mse:.2f}x"
-                        if m["nearest"].output_mse > 0
-                        else "-",
-                    )
-                    for name, m in by_layer.items()
-                ],
-            )
-        )
+        click.echo(_rounding_table(rounding))
     if json_path:
-        from dataclasses import asdict
-
-        document = {"kind": "edgeq.analysis.weights", "model": str(model), "layers": [r.to_dict() for r in reports]}
-        if plots_dir:  # where the histograms are, for `edgeq report`
-            document["plots"] = str(plots_dir)
-        if rounding:
-            document["rounding"] = {"data": data, "samples": calib_samples, "seed": seed}
-            document["rounding"]["layers"] = [asdict(e) for e in rounding]
+        document = weights_document(model, reports, plots_dir, rounding, data, calib_samples, seed)
         write_json_atomic(json_path, document)
     if csv_path:
-        import csv
-
-        with atomic_path(csv_path) as tmp, open(tmp, "w", newline="") as fh:
-            writer = csv.writer(fh)
-            header = [
-                "layer",
-                "kind",
-                "shape",
-                "min",
-                "max",
-                "mean",
-                "std",
-                "kurtosis",
-                "outlier_fraction",
-                "channel_range_spread",
-                "recommendation",
-            ]
-            combos = [(e.bits, e.granularity, e.scheme, e.rounding) for e in reports[0].errors]
-            header += [f"sqnr_db_int{b}_{g}_{s}_{r}" for b, g, s, r in combos]
-            writer.writerow(header)
-            for r in reports:
-                writer.writerow(
-                    [
-                        r.name,
-                        r.kind,
-                        "x".join(map(str, r.shape)),
-                        r.min,
-                        r.max,
-                        r.mean,
-                        r.std,
-                        r.kurtosis,
-                        r.outlier_fraction,
-                        r.channel_range_spread,
-                        r.recommendation,
-                    ]
-                    + [r.error(*c).sqnr_db for c in combos]
-                )
+        write_weights_csv(reports, csv_path)
     if plots_dir:
         files = save_histograms(model, plots_dir)
         click.echo(f"{len(files)} histograms in {plots_dir}")
+
+
+def _weights_table(reports) -> str:
+    header = ["layer", "kind", "shape", "std", "kurtosis", "outliers", "ch. spread"]
+    header += ["int8 t dB", "int8 ch dB", "int4 ch dB", "int4 ch sr dB", "recommendation"]
+    rows = [
+        (
+            r.name,
+            r.kind,
+            "x".join(map(str, r.shape)),
+            f"{r.std:.3g}",
+            f"{r.kurtosis:.1f}",
+            f"{r.outlier_fraction:.2%}",
+            f"{r.channel_range_spread:.1f}x",
+            f"{r.error(8, 'per-tensor').sqnr_db:.1f}",
+            f"{r.error(8, 'per-channel').sqnr_db:.1f}",
+            f"{r.error(4, 'per-channel').sqnr_db:.1f}",
+            f"{r.error(4, 'per-channel', rounding='stochastic').sqnr_db:.1f}",
+            r.recommendation,
+        )
+        for r in reports
+    ]
+    return table(header, rows)
+
+
+def _rounding_table(rounding) -> str:
+    by_layer: dict[str, dict] = {}
+    for e in rounding:
+        by_layer.setdefault(e.layer, {})[e.method] = e
+    rows = []
+    for name, m in by_layer.items():
+        nearest = m["nearest"].output_mse
+        ratio = f"{m['adaround'].output_mse / nearest:.2f}x" if nearest > 0 else "-"
+        rows.append(
+            (name, f"{nearest:.3g}", f"{m['stochastic'].output_mse:.3g}", f"{m['adaround'].output_mse:.3g}",
+             f"{m['adaround'].flipped:.1%}", ratio)
+        )  # fmt: skip
+    return table(["layer", "nearest", "stochastic", "adaround", "adaround flipped", "adaround vs nearest"], rows)
 
 
 @analyze.command("sensitivity")

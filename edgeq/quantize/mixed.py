@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeq.calibration import layer_name_for
 from edgeq.errors import UsageError
+from edgeq.quantize.calibration import layer_name_for
 from edgeq.runtime.flatbuffer import op_precision, verify_tflite
 from edgeq.shims.tflite import keras_converter, native_output_silenced
 
@@ -133,14 +133,13 @@ def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None, rang
     on a trained MobileNetV2 that cost 7 points even with every layer at 16 bits. So it runs
     on two samples only, to name the tensors it needs, and each range is then edgeq's: the
     float model runs every sample, each of those tensors is observed (edgeq.training.observe),
-    and ``ranges`` (edgeq.ranges: minmax, percentile, mse, entropy) picks its min/max.
+    and ``ranges`` (edgeq.quantize.ranges: minmax, percentile, mse, entropy) picks its min/max.
 
     ``samples``: an array (one input) or a dict of arrays by input name.
     """
     from ai_edge_litert.interpreter import Interpreter
 
-    from edgeq.ranges import ACTIVATION_METHODS, activation_range
-    from edgeq.training.observe import Observer
+    from edgeq.quantize.ranges import ACTIVATION_METHODS, Observer, activation_range
 
     if ranges not in ACTIVATION_METHODS:
         raise UsageError(f"activation ranges must be one of {', '.join(ACTIVATION_METHODS)}, got {ranges!r}")
@@ -166,8 +165,7 @@ def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None, rang
         interpreter = Interpreter(model_content=float_model, experimental_preserve_all_tensors=True)
         runner = interpreter.get_signature_runner(key)
     index = {d["name"]: d["index"] for d in interpreter.get_tensor_details()}
-    rng = np.random.default_rng(0)
-    observers = {name: Observer(rng) for name in calibration if name in index}
+    observers = {name: Observer() for name in calibration if name in index}
     for feed in feeds:
         runner(**feed)
         for name, observer in observers.items():

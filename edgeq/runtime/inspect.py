@@ -25,17 +25,6 @@ SCHEMA = "edgeq.inspect/1"
 
 
 @dataclass(frozen=True)
-class TensorView:
-    name: str
-    index: int
-    shape: tuple[int, ...]
-    shape_signature: tuple[int, ...]
-    dtype: str
-    scale: tuple[float, ...]
-    zero_point: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class OpView:
     index: int
     op_type: str
@@ -62,8 +51,8 @@ class InspectReport:
     schema_version: int
     subgraphs: int
     signatures: tuple[SignatureView, ...]
-    inputs: tuple[TensorView, ...]
-    outputs: tuple[TensorView, ...]
+    inputs: tuple[TensorDesc, ...]  # as the file describes them (runtime.flatbuffer)
+    outputs: tuple[TensorDesc, ...]
     ops: tuple[OpView, ...]
     op_summary: OpSummary
     custom_ops: tuple[str, ...]
@@ -71,10 +60,6 @@ class InspectReport:
     bytes_by_dtype: dict[str, int]
     integer_only: bool
     edgetpu: EdgeTPUReport
-
-
-def _tensor(t: TensorDesc) -> TensorView:
-    return TensorView(t.name, t.index, t.shape, t.shape_signature, t.dtype, t.scale, t.zero_point)
 
 
 def describe(desc: ModelDesc) -> InspectReport:
@@ -106,8 +91,8 @@ def describe(desc: ModelDesc) -> InspectReport:
         schema_version=desc.schema_version,
         subgraphs=len(desc.subgraphs),
         signatures=tuple(signatures),
-        inputs=tuple(_tensor(sg.tensors[i]) for i in sg.inputs),
-        outputs=tuple(_tensor(sg.tensors[i]) for i in sg.outputs),
+        inputs=tuple(sg.tensors[i] for i in sg.inputs),
+        outputs=tuple(sg.tensors[i] for i in sg.outputs),
         ops=tuple(ops),
         op_summary=op_summary(desc),
         custom_ops=tuple(desc.custom_ops()),

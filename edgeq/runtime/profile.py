@@ -113,22 +113,13 @@ class RunResult:
 
 
 @dataclass(frozen=True)
-class TensorSummary:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    scale: float
-    zero_point: int
-
-
-@dataclass(frozen=True)
 class ModelFacts:
     path: str
     sha256: str
     size_bytes: int
     integer_only: bool
-    inputs: tuple[TensorSummary, ...]
-    outputs: tuple[TensorSummary, ...]
+    inputs: tuple[TensorInfo, ...]  # as the interpreter reports them (runtime.interpreter)
+    outputs: tuple[TensorInfo, ...]
     ops: OpSummary
 
 
@@ -699,16 +690,13 @@ def _facts(model: TFLiteModel) -> ModelFacts:
     desc = model.description
     assert desc is not None  # loaded with verify=True
 
-    def summary(infos: list[TensorInfo]) -> tuple[TensorSummary, ...]:
-        return tuple(TensorSummary(t.name, t.shape, t.dtype, t.scale, t.zero_point) for t in infos)
-
     return ModelFacts(
         path=str(model.path),
         sha256=desc.sha256,
         size_bytes=desc.size_bytes,
         integer_only=is_integer_only(desc),
-        inputs=summary(model.inputs),
-        outputs=summary(model.outputs),
+        inputs=tuple(model.inputs),
+        outputs=tuple(model.outputs),
         ops=op_summary(desc),
     )
 

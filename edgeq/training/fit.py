@@ -551,22 +551,84 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
         global_batch_ranges(False)
 
 
-def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool) -> TrainResult:
+def _resumed_state(config: TrainConfig, dist, resume: bool, force: bool) -> tuple[TrainConfig, dict | None]:
+    """The config to train with and the checkpoint state (None: a fresh run); refuses to overwrite."""
     out_dir = Path(config.out_dir)
     state_file = out_dir / "checkpoint" / "state.json"
-    state = None
     if resume:
         if not state_file.is_file():
             raise UsageError(f"{out_dir}: nothing to resume (no checkpoint/state.json); run without --resume")
         state = json.loads(state_file.read_text())
         cluster = {k: getattr(config, k) for k in ("strategy", "replicas", "workers", "worker_index")}
-        config = replace(TrainConfig(**state["config"]), **cluster)
         log.info("resuming %s at stage %d after %d epochs", out_dir, state["stage"], state["epochs_done"])
-    elif dist.chief and state_file.is_file() and not force:
+        return replace(TrainConfig(**state["config"]), **cluster), state
+    if dist.chief and state_file.is_file() and not force:
         raise UsageError(f"{out_dir} holds an unfinished run: continue it with --resume, or start over with --force")
-    elif dist.chief and (out_dir / "run.json").is_file() and not force:
+    if dist.chief and (out_dir / "run.json").is_file() and not force:
         raise UsageError(f"{out_dir} already holds a finished run: choose another --out, or overwrite with --force")
+    return config, None
 
+
+def _layer_plan(config: TrainConfig, layer_names: list[str]) -> dict[str, LayerPrecision]:
+    """--layer-config resolved: the layers whose precision differs from the model's."""
+    if not config.layer_config:
+        return {}
+    default = LayerPrecision(config.weight_bits, config.activation_bits)
+    resolved = LayerConfig.load(config.layer_config).resolve(layer_names, default)
+    layer_plan = {name: p for name, p in resolved.items() if p != default}
+    mixed = sorted(n for n, p in layer_plan.items() if not p.keep_float and p.activation_bits != config.activation_bits)
+    if mixed:
+        raise UsageError(
+            f"{config.layer_config}: activation bits differ per layer ({', '.join(mixed[:6])}"
+            f"{' ...' if len(mixed) > 6 else ''}), which no TFLite conversion can deploy (16-bit activations "
+            "are a whole-model mode, 16x8): set activation bits for the whole model with --activation-bits, "
+            "and per layer only weight bits or float"
+        )
+    return layer_plan
+
+
+def _fit_stage(stage_model, stage, index, initial_epoch, train_data, steps, fit_set, fit_plan, hp, run, bar) -> None:
+    """Fit one stage from ``initial_epoch``; a NaN/inf loss stops it with what to try."""
+    config = run.config
+    val_data = (
+        pipeline.split_dataset(fit_set, "val", hp["batch_size"], targets=fit_plan) if fit_set.count("val") else None
+    )
+    recorder = _EpochRecorder(run, index, bar)
+    stage_model.fit(
+        train_data,
+        validation_data=val_data,
+        epochs=stage.epochs,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=steps,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    if recorder.diverged is not None:
+        kept = "fp32.keras is saved, and " if (run.out_dir / FP32_NAME).exists() else ""
+        hint = "--init-ranges tfmot or " if stage.kind == "qat" and config.init_ranges != "tfmot" else ""
+        lr = "--qat-lr" if stage.kind == "qat" else "--lr"
+        clip = " or --clip-norm 1.0" if stage.kind == "qat" else ""
+        raise TrainingDiverged(
+            f"stage {stage.name} diverged: the loss became NaN or infinite in {recorder.diverged}; "
+            f"{kept}checkpoint/ holds the last finite epoch. Try {hint}a lower {lr}{clip}"
+        )
+
+
+def _judge_stage(stage_model, stage, judged, objs, by_keras: bool, labelled: bool, seconds: float) -> StageResult:
+    """The stage's val and test metric on ``judged`` (dataset, targets plan)."""
+    metric, val_acc = _stage_metric(stage_model, judged[0], "val", objs, judged[1], by_keras=by_keras)
+    _, test_acc = _stage_metric(stage_model, judged[0], "test", objs, judged[1], by_keras=by_keras)
+    if not labelled:  # no labels: judged against the FP32 model's outputs
+        metric = "agreement" if metric == "accuracy" else f"{metric}_vs_fp32"
+    return StageResult(
+        stage.name, stage.kind, stage.epochs, stage.weight_bits, stage.activation_bits,
+        val_acc, test_acc, round(seconds, 3), metric,
+    )  # fmt: skip
+
+
+def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool) -> TrainResult:
+    out_dir = Path(config.out_dir)
+    config, state = _resumed_state(config, dist, resume, force)
     if config.weight_bits not in range(2, 9):
         raise UsageError(f"--weight-bits must be between 2 and 8, got {config.weight_bits}")
     augment = pipeline.parse_augment(config.augment)
@@ -588,22 +650,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     if not stages:
         raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
 
-    layer_names = [layer.name for layer in model.layers]
-    layer_plan: dict[str, LayerPrecision] = {}
-    if config.layer_config:
-        default = LayerPrecision(config.weight_bits, config.activation_bits)
-        resolved = LayerConfig.load(config.layer_config).resolve(layer_names, default)
-        layer_plan = {name: p for name, p in resolved.items() if p != default}
-        mixed = sorted(
-            n for n, p in layer_plan.items() if not p.keep_float and p.activation_bits != config.activation_bits
-        )
-        if mixed:
-            raise UsageError(
-                f"{config.layer_config}: activation bits differ per layer ({', '.join(mixed[:6])}"
-                f"{' ...' if len(mixed) > 6 else ''}), which no TFLite conversion can deploy (16-bit activations "
-                "are a whole-model mode, 16x8): set activation bits for the whole model with --activation-bits, "
-                "and per layer only weight bits or float"
-            )
+    layer_plan = _layer_plan(config, [layer.name for layer in model.layers])
     settings = schemes.QuantSettings(
         config.weight_bits, config.activation_bits, config.granularity, config.activations, layer_plan
     )
@@ -703,57 +750,17 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
             t0 = time.perf_counter()
             fit_set, fit_plan = (teacher[0], teacher[2]) if teacher and stage.kind == "qat" else (dataset, plan)
             if initial_epoch < stage.epochs:
-                train_data = pipeline.split_dataset(
-                    fit_set,
-                    "train",
-                    hp["batch_size"],
-                    training=True,
-                    seed=config.seed,
-                    augment=augment,
-                    epochs=(initial_epoch, stage.epochs),
-                    targets=fit_plan,
-                )
-                val_data = (
-                    pipeline.split_dataset(fit_set, "val", hp["batch_size"], targets=fit_plan)
-                    if fit_set.count("val")
-                    else None
-                )
-                recorder = _EpochRecorder(run, index, bar)
-                stage_model.fit(
-                    train_data,
-                    validation_data=val_data,
-                    epochs=stage.epochs,
-                    initial_epoch=initial_epoch,
-                    steps_per_epoch=pipeline.steps_per_epoch(dataset, "train", hp["batch_size"]),
-                    verbose=0,
-                    callbacks=[recorder],
-                )
-                if recorder.diverged is not None:
-                    kept = "fp32.keras is saved, and " if (out_dir / FP32_NAME).exists() else ""
-                    hint = "--init-ranges tfmot or " if stage.kind == "qat" and config.init_ranges != "tfmot" else ""
-                    lr = "--qat-lr" if stage.kind == "qat" else "--lr"
-                    clip = " or --clip-norm 1.0" if stage.kind == "qat" else ""
-                    raise TrainingDiverged(
-                        f"stage {stage.name} diverged: the loss became NaN or infinite in {recorder.diverged}; "
-                        f"{kept}checkpoint/ holds the last finite epoch. Try {hint}a lower {lr}{clip}"
-                    )
+                epochs = (initial_epoch, stage.epochs)
+                batches = dict(training=True, seed=config.seed, augment=augment, epochs=epochs, targets=fit_plan)
+                fit = pipeline.split_dataset(fit_set, "train", hp["batch_size"], **batches)
+                steps = pipeline.steps_per_epoch(dataset, "train", hp["batch_size"])
+                _fit_stage(stage_model, stage, index, initial_epoch, fit, steps, fit_set, fit_plan, hp, run, bar)
             judged = (dataset, plan) if plan is not None else (teacher[0], teacher[2])
             by_keras = not (teacher and stage.kind == "qat")  # a distilled model has no Keras accuracy metric
-            metric, val_acc = _stage_metric(stage_model, judged[0], "val", objs, judged[1], by_keras=by_keras)
-            _, test_acc = _stage_metric(stage_model, judged[0], "test", objs, judged[1], by_keras=by_keras)
-            if plan is None:  # no labels: judged against the FP32 model's outputs
-                metric = "agreement" if metric == "accuracy" else f"{metric}_vs_fp32"
-            result = StageResult(
-                stage.name,
-                stage.kind,
-                stage.epochs,
-                stage.weight_bits,
-                stage.activation_bits,
-                val_acc,
-                test_acc,
-                round(time.perf_counter() - t0, 3),
-                metric,
+            result = _judge_stage(
+                stage_model, stage, judged, objs, by_keras, plan is not None, time.perf_counter() - t0
             )
+            val_acc, test_acc, metric = result.val_accuracy, result.test_accuracy, result.metric
             results.append(result)
             run.history[index]["final"] = {"val_accuracy": val_acc, "test_accuracy": test_acc, "metric": metric}
             log.info("stage %s: val %s %.4f test %.4f", stage.name, metric, val_acc, test_acc)

@@ -4,7 +4,7 @@ A QAT model's activation fake-quants start at TF-MOT's default range [-6, 6] and
 towards the data by a slow moving average. Observing the float model's tensors on
 calibration samples once gives each fake-quant its range before the first step
 (``initialize_ranges``; ``edgeq train --init-ranges``), and gives edgeq's post-training
-quantization (edgeq.ptq) the values its range methods choose from.
+quantization (edgeq.quantize.ptq) the values its range methods choose from.
 """
 
 from __future__ import annotations
@@ -12,50 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from edgeq.compat import keras
-from edgeq.ranges import activation_range
+from edgeq.quantize.configs import SAME_SCALE_LAYERS
+from edgeq.quantize.ranges import Observer, activation_range
 from edgeq.training import schemes
 from edgeq.transforms.tfops import replace_tf_ops
-
-# Values kept per observed tensor for percentile/MSE/entropy (min and max are exact).
-_SAMPLE_CAP = 1 << 17
-
-
-class Observer:
-    """Running min/max and a uniform random sample of at most ``cap`` of one tensor's values.
-
-    The sample is a bottom-k reservoir: every value gets a random key, and the ``cap`` values
-    with the smallest keys are kept. So every value seen has the same chance to be kept,
-    whether it came in the first batch or the last, and memory stays at ``cap`` values (plus
-    the batch being added) however many batches come.
-    """
-
-    def __init__(self, rng, cap: int | None = None):
-        self.rng, self.low, self.high, self.seen = rng, np.inf, -np.inf, 0
-        self.cap = int(cap if cap is not None else _SAMPLE_CAP)
-        self.sample = np.zeros(0, dtype=np.float32)
-        self.keys = np.zeros(0, dtype=np.float64)
-
-    def add(self, values: np.ndarray) -> None:
-        flat = np.asarray(values, dtype=np.float32).ravel()
-        if not flat.size:
-            return
-        self.low, self.high = min(self.low, float(flat.min())), max(self.high, float(flat.max()))
-        self.seen += flat.size
-        keys = self.rng.random(flat.size)
-        if len(self.keys) >= self.cap:  # full: only values whose key beats the largest kept one enter
-            enter = keys < self.keys.max()
-            flat, keys = flat[enter], keys[enter]
-        sample, all_keys = np.concatenate([self.sample, flat]), np.concatenate([self.keys, keys])
-        if len(all_keys) > self.cap:
-            keep = np.argpartition(all_keys, self.cap - 1)[: self.cap]
-            sample, all_keys = sample[keep], all_keys[keep]
-        self.sample, self.keys = sample, all_keys
-
-    def values(self) -> np.ndarray:
-        sample = self.sample
-        missing = [v for v in (self.low, self.high) if not np.any(sample == np.float32(v))]
-        # the extremes always count, once: a sampled-away one is added, a kept one not doubled
-        return np.concatenate([sample, np.asarray(missing, dtype=np.float32)]) if missing else sample
 
 
 def suffix(variable, layer=None) -> str:
@@ -114,8 +74,7 @@ def activation_points(float_model, qat_model):
 def observe(float_model, points, x: np.ndarray, batch_size: int = 16, seed: int = 0) -> list[Observer]:
     """One pass of the float model over ``x``: an Observer per point."""
     probe = keras.Model(float_model.inputs, [tensor for _, _, tensor, _ in points])
-    rng = np.random.default_rng(seed)
-    observers = [Observer(rng) for _ in points]
+    observers = [Observer(seed) for _ in points]
     for start in range(0, len(x), batch_size):
         outputs = probe(x[start : start + batch_size], training=False)
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
@@ -127,19 +86,19 @@ def observe(float_model, points, x: np.ndarray, batch_size: int = 16, seed: int 
 # Layers whose int8 kernels take one scale on input and output. With a fake-quant of their
 # own, its range and their inputs' become one; without one (TF-MOT leaves an AveragePooling2D
 # that feeds a concatenation unquantized), their output is observed for the same purpose.
-_SAME_SCALE = ("Concatenate", "AveragePooling2D", "MaxPooling2D")
-_PASS_THROUGH = ("MaxPooling2D", "ZeroPadding2D", "Reshape", "Flatten", "Cropping2D", "Dropout")
+_RANGE_PRESERVING = ("MaxPooling2D", "ZeroPadding2D", "Reshape", "Flatten", "Cropping2D", "Dropout")
 
 
 def unquantized_same_scale(float_model, points, x: np.ndarray, batch_size: int = 16, seed: int = 0) -> dict:
-    """{name: (min, max) of its output on ``x``} of the same-scale layers of ``float_model``
-    without a fake-quant on their output among ``points``."""
+    """{name: Observer of its output on ``x``} of the same-scale layers of ``float_model``
+    without a fake-quant on their output among ``points``. Their ranges are chosen by the same
+    method as every other tensor's (the converter's calibration records these outputs too)."""
     covered = {layer for low_var, _, _, layer in points if layer == "input" or _is_output(low_var)}
-    layers = [la for la in float_model.layers if type(la).__name__ in _SAME_SCALE and la.name not in covered]
+    layers = [la for la in float_model.layers if type(la).__name__ in SAME_SCALE_LAYERS and la.name not in covered]
     if not layers:
         return {}
     observers = observe(float_model, [(None, None, la.output, la.name) for la in layers], x, batch_size, seed)
-    return {la.name: (o.low, o.high) for la, o in zip(layers, observers)}
+    return {la.name: o for la, o in zip(layers, observers)}
 
 
 def _is_output(low_var) -> bool:
@@ -156,10 +115,15 @@ def same_scale_ranges(
     one scale for all their tensors. The converter's own calibration sets them so; fake-quant
     ranges set per tensor make it insert a QUANTIZE op, a second rounding, for each input
     whose range differs (20 of them in a DenseNet121). A chain of concatenations, one feeding
-    the next, becomes one group, whose range is the union of its members' but for one thing
-    the converter also does: a tensor that feeds only an average pooling takes the pooling's
-    narrower output range instead of widening the group's. ``unquantized`` gives the observed
-    output range of same-scale layers without a fake-quant (``unquantized_same_scale``).
+    the next, becomes one group. As the converter does, a group with concatenations takes the
+    range of their outputs (their union); a group without one (conv -> pad -> pooling) the
+    union of its members' ranges, but a tensor that feeds only an average pooling takes the
+    pooling's narrower output range instead of widening the group's. With min/max ranges the
+    two rules agree (a concatenation's output holds every input value); with a clipping
+    method they do not, and the converter's is the one an analysis of the same method builds
+    (tests/test_ptq.py checks that analyze --ranges M and convert --ptq M give the same
+    scales). ``unquantized`` gives the chosen output range of same-scale layers without a
+    fake-quant (from ``unquantized_same_scale``).
     """
     unquantized = unquantized or {}
     outputs = {}  # layer name -> index of the node on its output
@@ -180,13 +144,16 @@ def same_scale_ranges(
 
     inputs = {id(t) for t in float_model.inputs}
     followers = set()  # nodes that take their group's range and do not widen it
+    concatenated = set()  # nodes on a concatenation's output: their range is their group's
     for layer in float_model.layers:
-        if type(layer).__name__ not in _SAME_SCALE or layer.name not in outputs:
+        if type(layer).__name__ not in SAME_SCALE_LAYERS or layer.name not in outputs:
             continue
         feeds = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
         found = [_range_of(tensor, outputs, inputs) for tensor in feeds]
         if any(node is None for node, _ in found):  # a producer without a range: leave this layer alone
             continue
+        if type(layer).__name__ == "Concatenate":
+            concatenated.add(outputs[layer.name])
         for node, only_here in found:
             if type(layer).__name__ == "AveragePooling2D" and only_here:
                 followers.add(node)
@@ -198,7 +165,7 @@ def same_scale_ranges(
     for members in groups.values():
         if len(members) < 2:
             continue
-        leaders = [i for i in members if i not in followers] or members
+        leaders = [i for i in members if i in concatenated] or [i for i in members if i not in followers] or members
         low = min(nodes[i][0] for i in leaders)
         high = max(nodes[i][1] for i in leaders)
         for i in members:
@@ -217,7 +184,7 @@ def _range_of(tensor, outputs: dict, inputs: set) -> tuple[int | None, bool]:
         only = only and len(producer._outbound_nodes) == 1
         if producer.name in outputs:
             return outputs[producer.name], only
-        if type(producer).__name__ not in _PASS_THROUGH + _SAME_SCALE:
+        if type(producer).__name__ not in _RANGE_PRESERVING + SAME_SCALE_LAYERS:
             return None, only
         tensor = producer.input
     return outputs.get("input"), only
@@ -262,7 +229,7 @@ def initialize_ranges(
     """Set every activation fake-quant range of a freshly built ``qat_model`` from ``x``.
 
     Returns how many ranges were set. Symmetric activations get [-m, m]. ``method`` is one
-    of edgeq.ranges.ACTIVATION_METHODS. ``only`` limits it to the outputs of those layers.
+    of edgeq.quantize.ranges.ACTIVATION_METHODS. ``only`` limits it to the outputs of those layers.
     """
     float_model, _ = replace_tf_ops(float_model)
     points = activation_points(float_model, qat_model)
@@ -278,7 +245,12 @@ def initialize_ranges(
         # 16-bit activations lose nothing to outliers worth clipping: keep every value
         ranges.append(activation_range(observer.values(), method if bits <= 8 else "minmax", bits=bits))
     if only is None:  # what TFLite's concatenation and pooling kernels need: one range for their tensors
-        ranges = same_scale_ranges(float_model, points, ranges, unquantized_same_scale(float_model, points, x))
+        observed = unquantized_same_scale(float_model, points, x)
+        chosen = {
+            name: activation_range(o.values(), method if bits <= 8 else "minmax", bits=bits)
+            for name, o in observed.items()
+        }
+        ranges = same_scale_ranges(float_model, points, ranges, chosen)
     done = 0
     for (low_var, high_var, _, _), (low, high) in zip(points, ranges):
         if not low < high:

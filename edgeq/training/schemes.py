@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 from edgeq.compat import keras, tfmot
 from edgeq.errors import UnsupportedLayerError, UsageError
-from edgeq.quantize_configs import (
+from edgeq.quantize.configs import (
     CUSTOM_OBJECTS,
+    SAME_SCALE_WRAPPED,
     OutputQuantizeConfig,
     SameScaleQuantizeConfig,
     WeightsOnlyQuantizeConfig,
@@ -34,7 +35,7 @@ GRANULARITIES = ("per-channel", "per-tensor")
 ACTIVATION_MODES = ("asymmetric", "symmetric")
 
 # Layers that carry no weights and need no quantizer of their own: never an obstacle.
-_PASS_THROUGH = ("InputLayer", "Dropout", "SpatialDropout1D", "SpatialDropout2D", "GaussianNoise")
+_UNQUANTIZED = ("InputLayer", "Dropout", "SpatialDropout1D", "SpatialDropout2D", "GaussianNoise")
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class LayerwiseRegistry(_q.QuantizeRegistry):
         return self._for(layer).supports(layer) or (layer.name in self.annotated and output_only(layer))
 
     def get_quantize_config(self, layer):
-        if type(layer).__name__ in _SAME_SCALE:
+        if type(layer).__name__ in SAME_SCALE_WRAPPED:
             return SameScaleQuantizeConfig()
         registry = self._for(layer)
         if registry.supports(layer):
@@ -106,7 +107,7 @@ class LayerwiseRegistry(_q.QuantizeRegistry):
 _WEIGHTED = ("Conv2D", "DepthwiseConv2D", "Dense")
 
 # Layers TF-MOT has no config for, whose TFLite ops have int8 kernels and need only their
-# output range: edgeq quantizes their output (quantize_configs.OutputQuantizeConfig).
+# output range: edgeq quantizes their output (edgeq.quantize.configs.OutputQuantizeConfig).
 _OUTPUT_ONLY = (
     "TFOpLambda",
     "Multiply",
@@ -121,10 +122,6 @@ _OUTPUT_ONLY = (
     "Cropping2D",
     "BatchNormalization",  # only where no conv/dense precedes it to fold into (DenseNet, NASNet)
 )
-
-
-# Ops whose TFLite kernels need the output scale equal to the input's.
-_SAME_SCALE = ("AveragePooling2D", "AveragePooling1D")
 
 
 def output_only(layer) -> bool:
@@ -226,7 +223,7 @@ def layers_to_quantize(model, settings: QuantSettings, only_layers: set[str] | N
     chosen: set[str] = set()
     for layer in model.layers:
         kind = type(layer).__name__
-        if kind in _PASS_THROUGH or layer.name in keep_float:
+        if kind in _UNQUANTIZED or layer.name in keep_float:
             continue
         producers = _producers(layer)
         if kind.startswith("BatchNormalization"):
@@ -276,7 +273,7 @@ def float_layers(qat_model) -> list[str]:
         layer.name
         for layer in qat_model.layers
         if not isinstance(layer, QuantizeWrapper)
-        and type(layer).__name__ not in (*_PASS_THROUGH, "QuantizeLayer")
+        and type(layer).__name__ not in (*_UNQUANTIZED, "QuantizeLayer")
         and not isinstance(layer, keras.layers.InputLayer)
     ]
 

@@ -82,7 +82,7 @@ def output_mse(layer, inputs: np.ndarray, codes: np.ndarray, scale: np.ndarray) 
 
 def kernel_scale(layer, bits: int = 8) -> np.ndarray:
     """Per-channel symmetric scale (min/max) of ``layer``'s kernel, shaped to broadcast on it."""
-    from edgeq.ranges import weight_ranges
+    from edgeq.quantize.ranges import weight_ranges
 
     kernel = getattr(layer, kernel_name(layer)).numpy()
     levels = 2 ** (bits - 1) - 1

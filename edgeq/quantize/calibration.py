@@ -18,7 +18,7 @@ import numpy as np
 from edgeq.compat import tf
 from edgeq.data import Dataset
 from edgeq.errors import UsageError
-from edgeq.ranges import ACTIVATION_METHODS, activation_range
+from edgeq.quantize.ranges import ACTIVATION_METHODS, activation_range
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.shims.litert import ops_details
 from edgeq.shims.tflite import (
@@ -42,7 +42,7 @@ class Calibrated:
     nodes: list[str]  # quantized ops' output tensor names, graph order
     layer_of: dict[str, str]  # node -> Keras layer name (or the node itself)
     debugger: object = field(repr=False, default=None)
-    ranges: str = "minmax"  # how the activation ranges were set (edgeq.ranges), minmax: the converter's
+    ranges: str = "minmax"  # how the activation ranges were set (edgeq.quantize.ranges), minmax: the converter's
 
     def quantize(self, float_nodes: Iterable[str] = ()) -> bytes:
         """Full-integer model (float I/O) with ``float_nodes`` left in float."""
@@ -115,10 +115,10 @@ def recalibrated(calibrated: bytes, x: np.ndarray, method: str, seed: int = 0) -
 
     The converter's calibration records min/max on every tensor it will quantize; edgeq
     runs the calibrated (float) model on the same samples, observes those tensors and
-    replaces each min/max by the range ``method`` picks (edgeq.ranges). Quantizing the
+    replaces each min/max by the range ``method`` picks (edgeq.quantize.ranges). Quantizing the
     result then uses edgeq's ranges, with any set of layers left float.
     """
-    from edgeq.training.observe import Observer
+    from edgeq.quantize.ranges import Observer
 
     recorded = tensor_ranges(calibrated)
     with warnings.catch_warnings():  # tf.lite.Interpreter's deprecation; preserve_all_tensors is meant here
@@ -127,8 +127,7 @@ def recalibrated(calibrated: bytes, x: np.ndarray, method: str, seed: int = 0) -
     with native_output_silenced():
         interpreter.allocate_tensors()
     (inp,) = interpreter.get_input_details()
-    rng = np.random.default_rng(seed)
-    observers = {index: Observer(rng) for index in recorded}
+    observers = {index: Observer(seed) for index in recorded}
     with native_output_silenced():  # LiteRT's "Created TensorFlow Lite XNNPACK delegate" line
         for i in range(len(x)):
             interpreter.set_tensor(inp["index"], x[i : i + 1].astype(inp["dtype"]))

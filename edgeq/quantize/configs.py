@@ -11,6 +11,13 @@ from edgeq.compat import keras, tfmot
 _q = tfmot.quantization.keras
 
 
+# TFLite ops whose int8 kernels need the output scale equal to the input's (by Keras layer class).
+SAME_SCALE_LAYERS = ("Concatenate", "AveragePooling1D", "AveragePooling2D", "MaxPooling1D", "MaxPooling2D")
+# Of those, the ones TF-MOT would give an output range of their own: edgeq wraps them with
+# SameScaleQuantizeConfig instead (Concatenate and max pooling TF-MOT already leaves alone).
+SAME_SCALE_WRAPPED = ("AveragePooling1D", "AveragePooling2D")
+
+
 class WeightsOnlyQuantizeConfig(_q.QuantizeConfig):
     """Quantize a layer's weights as ``config`` does, but not its output.
 

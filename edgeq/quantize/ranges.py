@@ -127,3 +127,51 @@ def weight_ranges(kernel: np.ndarray, axis: int = -1, method: str = "minmax", bi
         better = err < best_err
         best[better], best_err[better] = m[better], err[better]
     return np.maximum(best, 1e-8)
+
+
+# Values kept per observed tensor for percentile/MSE/entropy (min and max are exact).
+_SAMPLE_CAP = 1 << 17
+
+
+class Observer:
+    """Running min/max and a uniform random sample of at most ``cap`` of one tensor's values.
+
+    The sample is a bottom-k reservoir: every value gets a random key, and the ``cap`` values
+    with the smallest keys are kept. So every value seen has the same chance to be kept,
+    whether it came in the first batch or the last, and memory stays at ``cap`` values (plus
+    the batch being added) however many batches come.
+
+    Each observer draws its keys from its own generator (``seed``), one key per value in the
+    order the values come: so what it keeps depends on its tensor's values alone, not on the
+    batch size or on how many other tensors are observed beside it. The same tensor observed
+    by analyze (in the converter's calibrated model) and by convert --ptq (in the Keras
+    model) yields the same sample, and so the same range.
+    """
+
+    def __init__(self, seed: int = 0, cap: int | None = None):
+        self.rng, self.low, self.high, self.seen = np.random.default_rng(seed), np.inf, -np.inf, 0
+        self.cap = int(cap if cap is not None else _SAMPLE_CAP)
+        self.sample = np.zeros(0, dtype=np.float32)
+        self.keys = np.zeros(0, dtype=np.float64)
+
+    def add(self, values: np.ndarray) -> None:
+        flat = np.asarray(values, dtype=np.float32).ravel()
+        if not flat.size:
+            return
+        self.low, self.high = min(self.low, float(flat.min())), max(self.high, float(flat.max()))
+        self.seen += flat.size
+        keys = self.rng.random(flat.size)
+        if len(self.keys) >= self.cap:  # full: only values whose key beats the largest kept one enter
+            enter = keys < self.keys.max()
+            flat, keys = flat[enter], keys[enter]
+        sample, all_keys = np.concatenate([self.sample, flat]), np.concatenate([self.keys, keys])
+        if len(all_keys) > self.cap:
+            keep = np.argpartition(all_keys, self.cap - 1)[: self.cap]
+            sample, all_keys = sample[keep], all_keys[keep]
+        self.sample, self.keys = sample, all_keys
+
+    def values(self) -> np.ndarray:
+        sample = self.sample
+        missing = [v for v in (self.low, self.high) if not np.any(sample == np.float32(v))]
+        # the extremes always count, once: a sampled-away one is added, a kept one not doubled
+        return np.concatenate([sample, np.asarray(missing, dtype=np.float32)]) if missing else sample

@@ -19,7 +19,7 @@ import numpy as np
 
 from edgeq.compat import keras
 from edgeq.numerics import weight_codes, weight_error
-from edgeq.ranges import activation_range, weight_ranges
+from edgeq.quantize.ranges import activation_range, weight_ranges
 from edgeq.training import schemes
 from edgeq.training.observe import (
     activation_points,
@@ -112,7 +112,8 @@ class RangeCalibration:
         """
         chosen = []
         ranges = [activation_range(observer.values(), activations) for observer in self.observers]
-        ranges = same_scale_ranges(self.float_model, self.points, ranges, self.unquantized)
+        unquantized = {name: activation_range(o.values(), activations) for name, o in self.unquantized.items()}
+        ranges = same_scale_ranges(self.float_model, self.points, ranges, unquantized)
         for (low_var, high_var, _, layer), (low, high) in zip(self.points, ranges):
             low_var.assign(low)
             high_var.assign(high)
