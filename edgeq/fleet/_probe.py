@@ -1,7 +1,10 @@
 """What a device has: sent as ``python -c`` source, so it must stand alone (stdlib only,
 Python 3.7+) and work before edgeq is installed there. Prints one JSON object.
 
-argv[1]: the work directory (free disk is measured there, or at its nearest parent).
+argv[1]: the work directory (free disk is measured there, or at its nearest parent). What
+follows prepares a site install in the same Python start-up (edgeq.fleet.bootstrap):
+``--remove DIR`` deletes a half-unpacked earlier try before anything is looked up,
+``--mkdir DIR`` makes a folder, ``--list DIR`` adds {file name: size} of what DIR holds.
 """
 
 import glob
@@ -9,6 +12,35 @@ import json
 import os
 import platform
 import sys
+
+
+def prepare(args):
+    """Act on --remove/--mkdir; return the folder --list names (or None)."""
+    import importlib
+    import shutil
+
+    listing = None
+    for flag, path in zip(args[::2], args[1::2]):
+        path = os.path.expanduser(path)
+        if flag == "--remove":
+            shutil.rmtree(path, ignore_errors=True)
+        elif flag == "--mkdir":
+            os.makedirs(path, exist_ok=True)
+        elif flag == "--list":
+            listing = path
+    importlib.invalidate_caches()  # a removed folder on sys.path must not be found from a cache
+    return listing
+
+
+def listed(path):
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return {}
+    return {n: os.path.getsize(os.path.join(path, n)) for n in names if os.path.isfile(os.path.join(path, n))}
+
+
+LISTING = prepare(sys.argv[2:])
 
 
 def version(dist):
@@ -109,6 +141,7 @@ print(
             "edgetpu": edgetpu(),
             "pip": importable("pip"),
             "venv": importable("ensurepip") and importable("venv"),
+            "listed": listed(LISTING) if LISTING else None,
         }
     )
 )

@@ -17,6 +17,7 @@ Both keep the runtime they replace, for ``edgeq push --rollback --runtime``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -26,13 +27,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import edgeq
-from edgeq.artifacts import atomic_path
+from edgeq.artifacts import atomic_path, sha256_file
 from edgeq.errors import DeviceError
-from edgeq.fleet.push import Rollback, _now, device_python_c, push_files, read_live, write_live
+from edgeq.fleet.push import PART_MARK, Rollback, _now, device_python_c, push_files, read_live, write_live
 from edgeq.fleet.transport import Transport, confine
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class Probe:
     edgetpu_devices: tuple[str, ...]
     pip: bool
     venv: bool
+    listed: dict | None = None  # {file name: size} of the folder the probe was asked to list
 
     @property
     def edgetpu(self) -> str:
@@ -141,12 +144,15 @@ def pinned(requirements) -> list[str]:
     return out
 
 
-def probe(transport: Transport, python: str | None = None, env: dict[str, str] | None = None) -> Probe:
-    """Run the stand-alone probe with the device's python and parse its JSON."""
+def probe(
+    transport: Transport, python: str | None = None, env: dict[str, str] | None = None, prepare: tuple = ()
+) -> Probe:
+    """Run the stand-alone probe with the device's python and parse its JSON. ``prepare``:
+    the probe's --remove/--mkdir/--list arguments, done in the same start-up."""
     device = transport.device
     python = python or device.python
     source = PROBE_SCRIPT.read_text(encoding="utf-8")
-    result = transport.run([python, "-c", source, device.workdir], env=env, timeout=120)
+    result = transport.run([python, "-c", source, device.workdir, *prepare], env=env, timeout=120)
     if not result.ok:
         raise DeviceError(f"{device.name}: {python} does not run: {result.last_error_line()}")
     try:
@@ -346,23 +352,28 @@ def ensure_runtime(
     *,
     wheel: str | Path | None = None,
     wheels_dir: str | Path | None = None,
+    state=None,
 ) -> DeviceRuntime:
     """Make sure the device runs this checkout's edgeq; install it once if it does not.
 
     The runtime a push replaces is kept (`edgeq push --rollback --runtime` makes it live
     again), and WORKDIR/.edgeq-runtime.json says which is live. Site mode swaps versions
     atomically: WORKDIR/site is a symlink to versions/SHA, renamed over in one step.
+    ``state``: the push's first read (edgeq.fleet.state), which holds the marker and the
+    runtime record already; without it they are read here.
     """
     device = transport.device
     workdir = transport.expand(device.workdir)
     wheel = Path(wheel) if wheel else build_wheel()
     digest = wheel_digest(wheel)
-    transport.makedirs(workdir)
-    state = read_runtime_state(transport, workdir)
-    live = state.get("live") or {}
     runtime, marker = runtime_layout(device, transport.expand)
     python = runtime.python
-    installed = _read_marker(transport, marker)
+    if state is not None:
+        record, installed = state.runtime, state.marker
+    else:
+        transport.makedirs(workdir)
+        record, installed = read_runtime_state(transport, workdir), _read_marker(transport, marker)
+    live = record.get("live") or {}
     if installed == digest:
         return runtime
     if installed and live.get("sha256") != installed:  # installed before runtime versions were recorded
@@ -417,34 +428,77 @@ def ensure_runtime(
         _write_marker(transport, marker, digest)
         new = _version_record(digest, wheel, wheel=wheel_remote)
     else:
-        version_dir = f"versions/{digest[:16]}"
-        target = confine(workdir, version_dir)
-        transport.run(["rm", "-rf", "--", target], timeout=300)  # a half-unpacked earlier try
-        # what the device's Python has without any edgeq site: each version holds all it needs
-        info = probe(transport, python, env={"PYTHONPATH": target})
-        missing = info.missing
-        if info.runtime == "tflite_runtime":  # the runtime the device has; it ships no .tflite schema
-            missing = [*missing, "flatbuffers"]
-            push_files(transport, [_schema_for_tflite_runtime()], python=python, subdir=version_dir)
-        records = push_files(transport, [wheel], python=python, subdir="wheels")
-        wheels = [r.remote_path for r in records]
-        if missing:
-            dependencies = _dependency_wheels(info, missing, wheels_dir)
-            house = _push_dependencies(transport, dependencies, python, workdir)
-            wheels += [f"{house}/{w.name}" for w in dependencies]
-        result = device_python_c(transport, python, ["extract", target, *wheels], timeout=900)
-        if not result.ok:
-            raise DeviceError(f"{device.name}: cannot unpack the wheels into {target}: {result.last_error_line()}")
-        _write_marker(transport, confine(target, _MARKER), digest)
-        _switch_site(transport, python, workdir, version_dir)
-        new = _version_record(digest, wheel, dir=version_dir)
+        _install_site(transport, python, wheel, digest, live, wheels_dir, workdir)
+        return dataclasses.replace(runtime, installed="installed")
     _write_runtime_state(transport, workdir, {"live": new, "previous": live or None})
-    if runtime.mode == "site":
-        _prune_versions(transport, confine(workdir, "versions"), [new.get("dir"), live.get("dir")])
-    else:  # the wheels of older builds (WORKDIR/wheels/SHA/); the dependency wheels beside them stay
-        builds = [Path(w).parent.name for w in (new.get("wheel"), live.get("wheel")) if w]
-        _prune_versions(transport, confine(workdir, "wheels"), builds, only=_is_build_folder)
+    # the wheels of older builds (WORKDIR/wheels/SHA/); the dependency wheels beside them stay
+    builds = [Path(w).parent.name for w in (new.get("wheel"), live.get("wheel")) if w]
+    _prune_versions(transport, confine(workdir, "wheels"), builds, only=_is_build_folder)
     return dataclasses.replace(runtime, installed="installed")
+
+
+_SENT: dict[tuple[str, str], set[str]] = {}  # (host, wheelhouse) -> wheels this process put there
+
+
+def _install_site(transport: Transport, python: str, wheel: Path, digest: str, live: dict, wheels_dir, workdir):
+    """A site install in two commands and the uploads between them.
+
+    1. the probe, which first removes a half-unpacked earlier try of this version, makes the
+       folders and lists the wheelhouse, then says what the device's Python lacks;
+    2. the uploads (SFTP: the edgeq wheel, and the dependency wheels the wheelhouse lacks);
+    3. device.py's install-site: every file's sha256 checked, the wheels unpacked into
+       versions/SHA, the marker written, WORKDIR/site switched in one rename, the runtime
+       record written and the versions neither live nor previous removed.
+    """
+    device = transport.device
+    version_dir = f"versions/{digest[:16]}"
+    target = confine(workdir, version_dir)
+    own = confine(workdir, "wheels")
+    house = transport.expand(device.wheelhouse).rstrip("/") if device.wheelhouse else own
+    prepare = ["--remove", target, "--mkdir", own, "--mkdir", confine(workdir, "models"), "--mkdir", house]
+    # what the device's Python has without any edgeq site: each version holds all it needs
+    info = probe(transport, python, env={"PYTHONPATH": target}, prepare=(*prepare, "--list", house))
+    missing, extra = info.missing, []
+    if info.runtime == "tflite_runtime":  # the runtime the device has; it ships no .tflite schema
+        missing, extra = [*missing, "flatbuffers"], [_schema_for_tflite_runtime()]
+    for path in (wheel, *extra):
+        _upload(transport, path, own)
+    dependencies = _dependency_wheels(info, missing, wheels_dir) if missing else []
+    with _keyed_lock(_WHEELHOUSE_LOCKS, house):  # devices naming one wheelhouse take turns
+        there = dict(info.listed or {})
+        lacking = [p for p in dependencies if there.get(p.name) != p.stat().st_size]
+        sent = _SENT.setdefault((device.host, house), set())
+        if any(p.name in sent for p in lacking):  # another device may have put it there since the probe
+            there = {name: None for name in transport.listdir(house)}
+            lacking = [p for p in lacking if p.name not in there]
+        for path in lacking:
+            _upload(transport, path, house)
+            sent.add(path.name)
+    files = [f"{own}/{p.name}={_sha256(p)}" for p in (wheel, *extra)]
+    files += [f"{house}/{p.name}={_sha256(p)}" for p in dependencies]
+    record = json.dumps({"live": _version_record(digest, wheel, dir=version_dir), "previous": live or None})
+    args = ["install-site", workdir, version_dir, _MARKER, digest, f"{RUNTIME_STATE}={record}", *files]
+    result = device_python_c(transport, python, args, timeout=900)
+    if not result.ok:
+        raise DeviceError(f"{device.name}: cannot install edgeq into {target}: {result.last_error_line()}")
+
+
+def _upload(transport: Transport, path: Path, folder: str) -> None:
+    """SFTP ``path`` to ``folder`` under a part name, then rename it (no command runs)."""
+    part = confine(folder, f".{path.name}{PART_MARK}{uuid.uuid4().hex[:12]}")
+    transport.upload(path, part)
+    transport.rename(part, confine(folder, path.name))
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def _sha256(path: Path) -> str:
+    """sha256 of a local file, hashed once per process however many devices get it."""
+    stat = path.stat()
+    return _sha256_of(str(path), stat.st_size, stat.st_mtime_ns)
 
 
 def rollback_runtime(transport: Transport) -> Rollback:

@@ -72,6 +72,47 @@ def switch_link(link: str, target: str) -> None:
     os.replace(tmp, link)
 
 
+def install_site(workdir: str, version_dir: str, marker: str, digest: str, state: str, files: list[str]) -> None:
+    """Make ``WORKDIR/version_dir`` the live site install, in one Python start-up.
+
+    ``files``: PATH=SHA256 each; wheels are unpacked, other files (a schema module) copied in.
+    A file whose sha256 differs is removed (the next push sends it again) and nothing changes.
+    Then the marker holds ``digest``, WORKDIR/site points at the version, WORKDIR/``state``'s
+    JSON (argv: ``STATE_NAME=JSON``) records live and previous, and the versions neither names
+    are removed.
+    """
+    import shutil
+
+    expected = [entry.rsplit("=", 1) for entry in files]
+    got = sha256_files([path for path, _ in expected])
+    for path, digest_wanted in expected:
+        if got[path] != digest_wanted:
+            if got[path] is not None:
+                os.remove(path)
+            raise SystemExit(f"error: {path}: sha256 {got[path]} != {digest_wanted}; removed, push again")
+    target = os.path.join(workdir, version_dir)
+    shutil.rmtree(target, ignore_errors=True)  # a half-unpacked earlier try
+    extract_wheels(target, [path for path, _ in expected if path.endswith(".whl")])
+    for path, _ in expected:
+        if not path.endswith(".whl"):
+            shutil.copy(path, os.path.join(target, os.path.basename(path)))
+    with open(os.path.join(target, marker), "w") as fh:
+        fh.write(digest + "\n")
+    switch_link(os.path.join(workdir, "site"), version_dir)
+    name, _, record = state.partition("=")
+    tmp = os.path.join(workdir, f"{name}.part-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(record)
+    os.replace(tmp, os.path.join(workdir, name))
+    kept = json.loads(record)
+    keep = {os.path.basename((kept.get(k) or {}).get("dir") or "") for k in ("live", "previous")}
+    keep.add(os.path.basename(version_dir))
+    versions = os.path.join(workdir, "versions")
+    for entry in os.listdir(versions):
+        if entry not in keep and os.path.isdir(os.path.join(versions, entry)):
+            shutil.rmtree(os.path.join(versions, entry), ignore_errors=True)
+
+
 def run_raw(model: str, inputs: str, out: str, runtime: str | None, delegate: str | None) -> None:
     """Run already-quantized inputs (``input_names``, ``input_0``...) one sample at a time and save
     every raw output by name (``output_names``, ``output_0``...)."""
@@ -115,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("switch")
     p.add_argument("link")
     p.add_argument("target")
+    p = sub.add_parser("install-site")
+    p.add_argument("workdir")
+    p.add_argument("version_dir")
+    p.add_argument("marker")
+    p.add_argument("digest")
+    p.add_argument("state")
+    p.add_argument("files", nargs="+")
     p = sub.add_parser("raw")
     p.add_argument("model")
     p.add_argument("inputs")
@@ -128,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         extract_wheels(args.target, args.wheels)
     elif args.command == "switch":
         switch_link(args.link, args.target)
+    elif args.command == "install-site":
+        install_site(args.workdir, args.version_dir, args.marker, args.digest, args.state, args.files)
     else:
         try:
             run_raw(args.model, args.inputs, args.out, args.runtime, args.delegate)

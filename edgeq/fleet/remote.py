@@ -197,17 +197,32 @@ def push_to_device(
     *,
     wheel: str | Path | None = None,
     wheels_dir: str | Path | None = None,
+    state=None,
 ) -> PushSummary:
-    """Bootstrap the device if needed, then upload ``files`` to WORKDIR/models."""
+    """Bootstrap the device if needed, then upload ``files`` to WORKDIR/models.
+
+    ``state``: the push's first read (edgeq.fleet.state). With it, the bootstrap reads nothing
+    again, and the files go up in one commit (upload_and_commit) unless an interrupted upload
+    is there to clean up, which push_files does, file by file.
+    """
     name = transport.device.name
     on_event(name, "bootstrap")
-    runtime = ensure_runtime(transport, wheel=wheel, wheels_dir=wheels_dir)
+    runtime = ensure_runtime(transport, wheel=wheel, wheels_dir=wheels_dir, state=state)
     if runtime.installed == "installed":
         on_event(name, f"installed edgeq ({runtime.mode})")
     files = with_manifests(list(files))  # a model and its manifest are one unit on the device
     on_event(name, f"pushing {len(files)} file(s)")
-    records = push_files(transport, files, python=runtime.python) if files else []
-    return PushSummary(runtime, tuple(records))
+    if not files:
+        return PushSummary(runtime, ())
+    if state is not None and not state.leftover:
+        made = state.models_dir or runtime.mode == "site"  # a site install makes WORKDIR/models
+        try:
+            return PushSummary(
+                runtime, tuple(upload_and_commit(transport, files, state.sha256, dict(state.live), made))
+            )
+        except EdgeqError as exc:  # e.g. a corrupted upload: the careful path retries file by file
+            log.warning("%s: %s; pushing file by file", name, exc)
+    return PushSummary(runtime, tuple(push_files(transport, files, python=runtime.python)))
 
 
 def push_to(
@@ -234,8 +249,8 @@ def _push(transport: Transport, files, on_event: Event, health: HealthLimits | N
     interrupted upload to clean up, takes the bootstrap and the careful path."""
     device = transport.device
     files = with_manifests(list(files)) if files else []
-    state = _current_state(transport, files, health, kwargs.get("wheel"))
-    if state is not None:
+    state, current = _current_state(transport, files, health, kwargs.get("wheel"))
+    if current:
         try:
             records = upload_and_commit(transport, files, state.sha256, dict(state.live), state.models_dir)
         except EdgeqError as exc:  # e.g. a corrupted upload: the careful path retries file by file
@@ -245,14 +260,14 @@ def _push(transport: Transport, files, on_event: Event, health: HealthLimits | N
             on_event(device.name, f"pushed {uploaded} file(s)" if uploaded else "up to date")
             runtime, _ = runtime_layout(device, expand=transport.expand)
             return PushSummary(runtime, tuple(records), transport.commands)
-    summary = push_to_device(transport, files, on_event, **kwargs)
+    summary = push_to_device(transport, files, on_event, state=state, **kwargs)
     return dataclasses.replace(summary, commands=transport.commands)
 
 
 def _current_state(transport: Transport, files: list[Path], health: HealthLimits | None, wheel):
-    """The device's state, read in one command (edgeq.fleet.state), when it runs this edgeq build
-    and holds no interrupted upload; else None. A failed health check raises DeviceUnhealthy
-    from that same read."""
+    """The device's state, read in one command (edgeq.fleet.state), and whether it is current:
+    it runs this edgeq build and holds no interrupted upload. A failed health check raises
+    DeviceUnhealthy from that same read."""
     from edgeq.fleet.bootstrap import wheel_digest
     from edgeq.fleet.push import safe_name
     from edgeq.fleet.state import read_state
@@ -265,9 +280,8 @@ def _current_state(transport: Transport, files: list[Path], health: HealthLimits
     if health is not None:
         need = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
         check_health(transport, device.workdir, health, need, state.health)
-    if state.marker is None or state.marker != wheel_digest(wheel) or state.leftover:
-        return None
-    return state
+    current = state.marker is not None and state.marker == wheel_digest(wheel) and not state.leftover
+    return state, current
 
 
 def rollback_on(device: Device, names: Sequence[str], on_event: Event = _noop, runtime: bool = False) -> list[Rollback]:

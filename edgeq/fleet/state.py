@@ -6,6 +6,8 @@ One ``sh`` script, no Python start-up on the device, prints:
   no command of its own);
 - the health check's values (edgeq.fleet.health: free disk, temperature, throttling, load);
 - ``marker=``: the sha256 of the edgeq build the device runs (the bootstrap's marker file);
+- ``runtime=``: WORKDIR/.edgeq-runtime.json, the live and previous edgeq runtime (what a
+  bootstrap keeps for a rollback);
 - ``sha256 NAME=``: each file a push would write, in WORKDIR/models (``sha256sum``);
 - ``live=``: WORKDIR/models/.edgeq-live.json, which version of each file is live;
 - ``leftover=1`` when an interrupted upload left a part file behind, ``models_dir=1`` when
@@ -18,7 +20,7 @@ done, after this one command (edgeq.fleet.remote.push_to).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edgeq.fleet.health import HEALTH_LINES, Health, health_from
 from edgeq.fleet.push import LIVE, PART_MARK
@@ -34,6 +36,7 @@ dir="$work"
     + HEALTH_LINES
     + r"""
 printf 'marker=%s\n' "$(cat -- "$marker" 2>/dev/null | head -n 1)"
+if [ -r "$work/.edgeq-runtime.json" ]; then printf 'runtime=%s\n' "$(tr -d '\n' < "$work/.edgeq-runtime.json")"; fi
 models="$work/models"
 [ -d "$models" ] && printf 'models_dir=1\n'
 for name in "$@"; do
@@ -60,6 +63,7 @@ class DeviceState:
     live: dict  # WORKDIR/models/.edgeq-live.json ({} when none or unreadable)
     leftover: bool  # an interrupted upload's part file is there
     models_dir: bool = False  # WORKDIR/models exists (an upload can go straight there)
+    runtime: dict = field(default_factory=dict)  # WORKDIR/.edgeq-runtime.json ({} when none or unreadable)
 
 
 def read_state(transport: Transport, workdir: str, marker: str, names: list[str]) -> DeviceState:
@@ -73,16 +77,22 @@ def read_state(transport: Transport, workdir: str, marker: str, names: list[str]
             sums[key[len("sha256 ") :]] = value.strip() or None
         elif key:
             values.setdefault(key, value)
-    try:
-        live = json.loads(values.get("live") or "{}")
-    except ValueError:
-        live = {}
+    live, runtime = _json(values.get("live")), _json(values.get("runtime"))
     return DeviceState(
         home=values.get("home", "").strip(),
         health=health_from(values),
         marker=values.get("marker", "").strip() or None,
         sha256={name: sums.get(name) for name in names},
-        live=live if isinstance(live, dict) else {},
+        live=live,
+        runtime=runtime,
         leftover=values.get("leftover") == "1",
         models_dir=values.get("models_dir") == "1",
     )
+
+
+def _json(text: str | None) -> dict:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
