@@ -53,7 +53,7 @@ class ModeSpec:
     integer_only: bool  # refuse any float op or tensor on the inference path
     integer_io: bool  # int8 (or uint8) input and output tensors
     min_sqnr_db: float  # verification: output SQNR vs the source model must reach this
-    backend: str = "tflite"  # "tflite": TFLiteConverter; "aeq": LiteRT Quantizer on the FP32 .tflite
+    backend: str = "tflite"  # its exporter, a key of EXPORTERS: "tflite" (TFLiteConverter), "aeq" (LiteRT Quantizer)
 
 
 # The one table: CLI flags, validation, file names and verification all read it.
@@ -633,19 +633,13 @@ def _quantize(
                 spec.mode == Mode.INT8_ONLY,
             )
             ptq_record = {"requested": options.ptq, "chosen": ranges, "plan": str(plan), "candidates": []}
-        elif spec.backend == "aeq":
-            flatbuffer = _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
         elif searching:
             flatbuffer, ptq_record = _convert_searching_ranges(
                 keras_model, reference_model, spec, dataset, options, held
             )
             notes.append(ptq_record.pop("note"))
-        else:
-            flatbuffer, fused = _convert_tflite(keras_model, spec, dataset, options, is_qat)
-            if fused:
-                notes.append(
-                    f"fused {fused} DEQUANTIZE->QUANTIZE pair(s) the converter left into integer requantize ops"
-                )
+        else:  # the mode's own exporter, named by its row of MODES
+            flatbuffer = EXPORTERS[spec.backend](keras_model, spec, dataset, options, is_qat, notes)
     except (UsageError, DataError):
         raise
     except Exception as exc:  # the converter raises ConverterError, ValueError, RuntimeError...
@@ -665,6 +659,23 @@ def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOption
     with native_output_silenced():
         flatbuffer = converter.convert()
     return fuse_requantize(flatbuffer) if spec.integer_only else (flatbuffer, 0)
+
+
+def _export_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, is_qat, notes) -> bytes:
+    """One TFLiteConverter run (every mode but INT4's)."""
+    flatbuffer, fused = _convert_tflite(keras_model, spec, dataset, options, is_qat)
+    if fused:
+        notes.append(f"fused {fused} DEQUANTIZE->QUANTIZE pair(s) the converter left into integer requantize ops")
+    return flatbuffer
+
+
+def _export_aeq(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, is_qat, notes) -> bytes:
+    """LiteRT Quantizer on the FP32 .tflite (the INT4 modes)."""
+    return _convert_with_aeq(keras_model, spec, options.int4_granularity, notes)
+
+
+# ModeSpec.backend -> the function that writes that mode's flatbuffer.
+EXPORTERS = {"tflite": _export_tflite, "aeq": _export_aeq}
 
 
 def _convert_searching_ranges(

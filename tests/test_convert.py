@@ -178,3 +178,10 @@ def test_bias_correction_is_refused_for_weights_it_does_not_correct(option):
         ConvertOptions(mode="int8-only", bias_correct=True, **option)
     ConvertOptions(mode="int8-only", **option)  # each alone is fine
     ConvertOptions(mode="int8-only", bias_correct=True)
+
+
+def test_every_mode_names_an_exporter():
+    """The mode table drives the export: each row's backend is a function of EXPORTERS."""
+    from edgeq.conversion import EXPORTERS, MODES
+
+    assert {spec.backend for spec in MODES.values()} == set(EXPORTERS)

@@ -172,6 +172,9 @@ def test_sensitivity_and_plan_sections(cli, digits_run, tmp_path):
     html, context = render(collect([sens]))
     layers = [r["layer"] for r in context["sensitivity"][0]["rows"]]
     assert set(layers) >= {"conv1", "conv2", "conv3", "logits"}
+    ranked = json.loads(sens.read_text())["fast"]  # the page keeps the analysis's ranking, no other
+    assert layers == [f["layer"] for f in ranked]
+    assert [r["sqnr"] for r in context["sensitivity"][0]["rows"]] == [f["channel_sqnr_db"] for f in ranked]
     assert 'id="sensitivity"' in html and "data:image/svg+xml;base64," in html
     assert 'id="models"' not in html and 'id="training"' not in html  # no data, no section
 

@@ -344,24 +344,25 @@ def _training(sources: Sources) -> list[dict]:
 
 
 def _sensitivity(sources: Sources) -> list[dict]:
+    """The sensitivity sections, each in the order ``analyze sensitivity`` ranked and wrote its layers
+    (fast: median channel SQNR, lowest first; exact: output MSE with only that layer int8, highest
+    first): the page never ranks the layers a second, different way."""
     out = []
     for doc in sources.of("sensitivity"):
         d = doc.data
-        fast = [f for f in d.get("fast") or [] if _num(f.get("mean_channel_sqnr_db")) is not None]
+        fast = [f for f in d.get("fast") or [] if _num(f.get("channel_sqnr_db")) is not None]
         exact = d.get("exact") or []
         if any(_num(e.get("loss_pp")) for e in exact):  # all zero: the SQNR bars say more
-            layers = sorted(exact, key=lambda e: -(_num(e.get("loss_pp")) or 0.0))
             figure = figures.sensitivity_bars(
-                [e["layer"] for e in layers],
-                [_num(e.get("loss_pp")) or 0.0 for e in layers],
-                "accuracy lost when only this layer is int8 (pp)",
+                [e["layer"] for e in exact],
+                [_num(e.get("loss_pp")) or 0.0 for e in exact],
+                "accuracy lost when only this layer is int8 (pp), most sensitive (by output error) first",
             )
         elif fast:
-            layers = sorted(fast, key=lambda f: f["mean_channel_sqnr_db"])
             figure = figures.sensitivity_bars(
-                [f["layer"] for f in layers],
-                [f["mean_channel_sqnr_db"] for f in layers],
-                "mean channel SQNR of the layer's int8 output (dB; lower: more sensitive)",
+                [f["layer"] for f in fast],
+                [f["channel_sqnr_db"] for f in fast],
+                "median channel SQNR of the layer's int8 output (dB; lower: more sensitive)",
             )
         else:
             continue
@@ -376,11 +377,11 @@ def _sensitivity(sources: Sources) -> list[dict]:
                 "rows": [
                     {
                         "layer": f["layer"],
-                        "sqnr": f.get("mean_channel_sqnr_db"),
+                        "sqnr": f.get("channel_sqnr_db"),
                         "worst": f.get("worst_channel_sqnr_db"),
                         "loss_pp": next((e.get("loss_pp") for e in exact if e["layer"] == f["layer"]), None),
                     }
-                    for f in sorted(fast, key=lambda f: f["mean_channel_sqnr_db"])
+                    for f in fast
                 ],
             }
         )
