@@ -300,12 +300,14 @@ def summary_rows(text: str, header: str) -> dict[str, list[str]]:
     return rows
 
 
-def loopback_fleet(root: Path, names: list[str], python_of, venvs=()) -> tuple[Path, dict[str, SSHServer]]:
+@contextlib.contextmanager
+def loopback_fleet(root: Path, names: list[str], python_of, venvs=()):
     """One OpenSSH sshd per device on a loopback port, each with its own host key and work folder.
 
     ``python_of(name)``: the device's Python; devices in ``venvs`` get a virtualenv, the others
-    run edgeq from unpacked wheels (site mode). All name one wheelhouse. Returns the inventory
-    (TOML, with a known_hosts file) and each device's server.
+    run edgeq from unpacked wheels (site mode). All name one wheelhouse. Yields the inventory
+    (TOML, with a known_hosts file) and each device's server; every sshd still alive is killed
+    on the way out.
     """
     client_pub = keygen(root / "client_ed25519")
     servers, blocks, known = {}, ['[defaults]\nknown_hosts = "{}"\n'.format(root / "known_hosts")], []
@@ -327,4 +329,9 @@ def loopback_fleet(root: Path, names: list[str], python_of, venvs=()) -> tuple[P
     (root / "known_hosts").write_text("\n".join(known) + "\n")
     inventory = root / "devices.toml"
     inventory.write_text("\n".join(blocks))
-    return inventory, servers
+    try:
+        yield inventory, servers
+    finally:
+        for server in servers.values():
+            if server.proc.poll() is None:
+                server.kill()

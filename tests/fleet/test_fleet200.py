@@ -71,11 +71,8 @@ def two_hundred(tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet200")
     names = [f"dev{i:03d}" for i in range(N)]
     python = host_python()
-    inventory, servers = loopback_fleet(root, names, lambda name: python, venvs=names[::10])
-    yield root, inventory, servers
-    for server in servers.values():
-        if server.proc.poll() is None:
-            server.kill()
+    with loopback_fleet(root, names, lambda name: python, venvs=names[::10]) as (inventory, servers):
+        yield root, inventory, servers
 
 
 def test_two_hundred_devices_cold_push_profile_rollout_with_dead_devices(two_hundred, tmp_path):

@@ -86,11 +86,8 @@ def fifty(tmp_path_factory):
         return str(wrapper)
 
     names = [f"dev{i:02d}" for i in range(N)]
-    inventory, servers = loopback_fleet(root, names, device_python, venvs=names[::2])
-    yield root, inventory, servers
-    for server in servers.values():
-        if server.proc.poll() is None:
-            server.kill()
+    with loopback_fleet(root, names, device_python, venvs=names[::2]) as (inventory, servers):
+        yield root, inventory, servers
 
 
 def test_fifty_devices_push_profile_budget_and_dead_devices(fifty, tmp_path):
