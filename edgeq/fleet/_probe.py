@@ -4,7 +4,8 @@ Python 3.7+) and work before edgeq is installed there. Prints one JSON object.
 argv[1]: the work directory (free disk is measured there, or at its nearest parent). What
 follows prepares a site install in the same Python start-up (edgeq.fleet.bootstrap):
 ``--remove DIR`` deletes a half-unpacked earlier try before anything is looked up,
-``--mkdir DIR`` makes a folder, ``--list DIR`` adds {file name: size} of what DIR holds.
+``--mkdir DIR`` makes a folder, ``--list DIR`` adds {DIR: {file name: size}} of what each
+listed DIR holds.
 """
 
 import glob
@@ -15,29 +16,29 @@ import sys
 
 
 def prepare(args):
-    """Act on --remove/--mkdir; return the folder --list names (or None)."""
+    """Act on --remove/--mkdir; return the folders --list names."""
     import importlib
     import shutil
 
-    listing = None
+    listing = []
     for flag, path in zip(args[::2], args[1::2]):
-        path = os.path.expanduser(path)
         if flag == "--remove":
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(os.path.expanduser(path), ignore_errors=True)
         elif flag == "--mkdir":
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(os.path.expanduser(path), exist_ok=True)
         elif flag == "--list":
-            listing = path
+            listing.append(path)
     importlib.invalidate_caches()  # a removed folder on sys.path must not be found from a cache
     return listing
 
 
 def listed(path):
+    folder = os.path.expanduser(path)
     try:
-        names = os.listdir(path)
+        names = os.listdir(folder)
     except OSError:
         return {}
-    return {n: os.path.getsize(os.path.join(path, n)) for n in names if os.path.isfile(os.path.join(path, n))}
+    return {n: os.path.getsize(os.path.join(folder, n)) for n in names if os.path.isfile(os.path.join(folder, n))}
 
 
 LISTING = prepare(sys.argv[2:])
@@ -141,7 +142,7 @@ print(
             "edgetpu": edgetpu(),
             "pip": importable("pip"),
             "venv": importable("ensurepip") and importable("venv"),
-            "listed": listed(LISTING) if LISTING else None,
+            "listed": {path: listed(path) for path in LISTING},
         }
     )
 )

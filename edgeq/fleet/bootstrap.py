@@ -34,7 +34,7 @@ from pathlib import Path
 import edgeq
 from edgeq.artifacts import atomic_path, sha256_file
 from edgeq.errors import DeviceError
-from edgeq.fleet.push import PART_MARK, Rollback, _now, device_python_c, push_files, read_live, write_live
+from edgeq.fleet.push import PART_MARK, Rollback, _now, device_python_c, read_live, write_live
 from edgeq.fleet.transport import Transport, confine
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Probe:
     edgetpu_devices: tuple[str, ...]
     pip: bool
     venv: bool
-    listed: dict | None = None  # {file name: size} of the folder the probe was asked to list
+    listed: dict = field(default_factory=dict)  # {folder: {file name: size}} of the folders it was asked to list
 
     @property
     def edgetpu(self) -> str:
@@ -306,6 +306,31 @@ def _read_marker(transport: Transport, path: str) -> str | None:
     return result.stdout.strip() if result.ok else None
 
 
+# Checks each FILE=SHA256 given before "--", removing a file whose sha256 differs, then runs the
+# command after it; when MARK is set and the command succeeds, writes DIGEST there.
+_CHECKED = r"""
+bad=0
+while [ "$1" != "--" ]; do
+  file=${1%=*}; want=${1##*=}; shift
+  got=$(sha256sum -- "$file" 2>/dev/null | cut -d' ' -f1)
+  if [ "$got" != "$want" ]; then
+    rm -f -- "$file"; echo "error: $file: sha256 ${got:-none} != $want; removed, push again" >&2; bad=1
+  fi
+done
+shift
+[ "$bad" = 0 ] || exit 3
+"$@" || exit $?
+if [ -n "$MARK" ]; then printf '%s\n' "$DIGEST" > "$MARK"; fi
+"""
+
+
+def _checked_run(transport: Transport, files: list[str], argv: list[str], mark: str | None, digest: str, timeout):
+    """``argv`` on the device after every FILE=SHA256 in ``files`` checks out, in one command;
+    ``mark``: where to write ``digest`` when it succeeds."""
+    env = ["env", f"MARK={mark or ''}", f"DIGEST={digest}"]
+    return transport.run([*env, "sh", "-c", _CHECKED, "edgeq-install", *files, "--", *argv], timeout=timeout)
+
+
 def _write_marker(transport: Transport, path: str, value: str) -> None:
     result = transport.run(["sh", "-c", 'printf "%s\\n" "$1" > "$2"', "sh", value, path], timeout=60)
     if not result.ok:
@@ -381,10 +406,15 @@ def ensure_runtime(
         live |= {"dir": "versions/legacy"} if runtime.mode == "site" else {}
     log.info("%s: installing %s (%s mode)", device.name, wheel.name, runtime.mode)
     if runtime.mode == "venv":
-        check = transport.run(["test", "-x", python], timeout=60)
-        fresh = not check.ok
-        # the venv's platform and Python are its base interpreter's: probe that one before the venv exists
-        info = probe(transport, python if not fresh else device.python)
+        venv = transport.expand(device.venv).rstrip("/")
+        build_dir = confine(workdir, f"wheels/{digest[:16]}")  # each build its own, for a rollback
+        house = transport.expand(device.wheelhouse).rstrip("/") if device.wheelhouse else confine(workdir, "wheels")
+        # one probe: the base interpreter (the venv's platform and Python are its), the folders
+        # made, and what the venv's bin and the wheelhouse hold
+        prepare = ("--mkdir", build_dir, "--mkdir", house, "--mkdir", confine(workdir, "models"))
+        prepare += ("--list", f"{venv}/bin", "--list", house)
+        info = probe(transport, device.python, prepare=prepare)
+        fresh = "python" not in (info.listed.get(f"{venv}/bin") or {})
         dependencies = [] if device.online else _dependency_wheels(info, VENV_REQUIREMENTS, wheels_dir)
         # With a pip wheel among them, a new venv is made without pip and pip runs from that wheel
         # (installing itself into the venv with the rest): ensurepip's own install of pip and
@@ -392,7 +422,7 @@ def ensure_runtime(
         pip_wheel = next((w for w in dependencies if w.name.startswith("pip-")), None) if fresh else None
         if fresh:
             without = ["--without-pip"] if pip_wheel else []
-            made = transport.run([device.python, "-m", "venv", *without, transport.expand(device.venv)], timeout=600)
+            made = transport.run([device.python, "-m", "venv", *without, venv], timeout=600)
             if not made.ok:
                 raise DeviceError(
                     f"{device.name}: cannot create a virtualenv with {device.python} ({made.last_error_line()}); "
@@ -401,12 +431,11 @@ def ensure_runtime(
         # no byte-compiling at install: a module is compiled when it is first imported, and
         # most of numpy's and protobuf's modules never are on a device
         options = ["install", "--quiet", "--disable-pip-version-check", "--no-compile"]
-        # each edgeq build in its own folder, so the previous one's wheel is there for a rollback
-        records = push_files(transport, [wheel], python=python, subdir=f"wheels/{digest[:16]}")
-        wheel_remote = records[0].remote_path
+        _upload(transport, wheel, build_dir)
+        wheel_remote = confine(build_dir, wheel.name)
         index, itself = [], []
         if dependencies:
-            house = _push_dependencies(transport, dependencies, python, workdir)
+            _send_dependencies(transport, dependencies, house, info.listed.get(house) or {})
             index = ["--no-index", "--find-links", house]
         if pip_wheel:  # --ignore-installed: pip run from its wheel would take itself for installed
             runner = [python, f"{house}/{pip_wheel.name}/pip", *options, "--ignore-installed"]
@@ -414,18 +443,25 @@ def ensure_runtime(
         else:
             runner = [python, "-m", "pip", *options]
         pip = [*runner, *index]
+        # Each pip command first checks the sha256 of every wheel it is given (a wrong one is
+        # removed, to be sent again); the last one to run writes the marker when it succeeds.
+        checked = [f"{wheel_remote}={_sha256(wheel)}", *[f"{house}/{p.name}={_sha256(p)}" for p in dependencies]]
+
+        def install(argv: list[str], last: bool, timeout: float):
+            return _checked_run(transport, checked, argv, marker if last else None, digest, timeout)
+
         # First the dependencies (kept when they already fit), then this exact edgeq build
         # over whatever edgeq of the same version was there.
-        result = transport.run([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS), *itself], timeout=1800)
-        if not result.ok:  # no wheel of the host's versions for this device: the newest that fits
+        result = install([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS), *itself], fresh, 1800)
+        if not result.ok and "sha256" not in result.last_error_line():
+            # no wheel of the host's versions for this device: the newest that fits
             log.warning("%s: the host's versions do not install (%s)", device.name, result.last_error_line())
             newest = [*BASE_REQUIREMENTS, *(["pip"] if pip_wheel else [])]  # edgeq's wheel requires no runtime
-            result = transport.run([*pip, wheel_remote, *newest], timeout=1800)
+            result = install([*pip, wheel_remote, *newest], fresh, 1800)
         if result.ok and not fresh:  # a new virtualenv had no edgeq that the first install kept
-            result = transport.run([*pip, "--force-reinstall", "--no-deps", wheel_remote], timeout=900)
+            result = install([*pip, "--force-reinstall", "--no-deps", wheel_remote], True, 900)
         if not result.ok:
             raise DeviceError(f"{device.name}: pip install of {wheel.name} failed: {result.last_error_line()}")
-        _write_marker(transport, marker, digest)
         new = _version_record(digest, wheel, wheel=wheel_remote)
     else:
         _install_site(transport, python, wheel, digest, live, wheels_dir, workdir)
@@ -464,16 +500,7 @@ def _install_site(transport: Transport, python: str, wheel: Path, digest: str, l
     for path in (wheel, *extra):
         _upload(transport, path, own)
     dependencies = _dependency_wheels(info, missing, wheels_dir) if missing else []
-    with _keyed_lock(_WHEELHOUSE_LOCKS, house):  # devices naming one wheelhouse take turns
-        there = dict(info.listed or {})
-        lacking = [p for p in dependencies if there.get(p.name) != p.stat().st_size]
-        sent = _SENT.setdefault((device.host, house), set())
-        if any(p.name in sent for p in lacking):  # another device may have put it there since the probe
-            there = {name: None for name in transport.listdir(house)}
-            lacking = [p for p in lacking if p.name not in there]
-        for path in lacking:
-            _upload(transport, path, house)
-            sent.add(path.name)
+    _send_dependencies(transport, dependencies, house, info.listed.get(house) or {})
     files = [f"{own}/{p.name}={_sha256(p)}" for p in (wheel, *extra)]
     files += [f"{house}/{p.name}={_sha256(p)}" for p in dependencies]
     record = json.dumps({"live": _version_record(digest, wheel, dir=version_dir), "previous": live or None})
@@ -481,6 +508,23 @@ def _install_site(transport: Transport, python: str, wheel: Path, digest: str, l
     result = device_python_c(transport, python, args, timeout=900)
     if not result.ok:
         raise DeviceError(f"{device.name}: cannot install edgeq into {target}: {result.last_error_line()}")
+
+
+def _send_dependencies(transport: Transport, dependencies: list[Path], house: str, there: dict) -> None:
+    """Upload the dependency wheels ``house`` lacks (``there``: what the probe listed in it).
+
+    Devices naming one wheelhouse take turns; one that finds a wheel missing that another device
+    of this run has put there since its probe lists the folder again instead of sending it twice.
+    """
+    with _keyed_lock(_WHEELHOUSE_LOCKS, house):
+        lacking = [p for p in dependencies if there.get(p.name) != p.stat().st_size]
+        sent = _SENT.setdefault((transport.device.host, house), set())
+        if any(p.name in sent for p in lacking):
+            there = {name: None for name in transport.listdir(house)}
+            lacking = [p for p in lacking if p.name not in there]
+        for path in lacking:
+            _upload(transport, path, house)
+            sent.add(path.name)
 
 
 def _upload(transport: Transport, path: Path, folder: str) -> None:
@@ -527,24 +571,6 @@ def rollback_runtime(transport: Transport) -> Rollback:
 
 
 _WHEELHOUSE_LOCKS: dict[str, threading.Lock] = {}
-
-
-def _push_dependencies(transport: Transport, wheels: list[Path], python: str, workdir: str) -> str:
-    """Push the dependency wheels; return the device folder they are in.
-
-    Into the inventory's ``wheelhouse`` when it names one: devices naming the same folder
-    take turns, so a wheel the first one uploaded is found there (sha256) by the others.
-    """
-    device = transport.device
-    if not device.wheelhouse:
-        push_files(transport, wheels, python=python, subdir="wheels")
-        return confine(workdir, "wheels")
-    house = transport.expand(device.wheelhouse).rstrip("/")
-    with _keyed_lock(_WHEELHOUSE_LOCKS, house):
-        records = push_files(transport, wheels, python=python, folder=house)
-    sent = [r.name for r in records if r.status == "uploaded"]
-    log.info("%s: wheelhouse %s: %d uploaded, %d there", device.name, house, len(sent), len(records) - len(sent))
-    return house
 
 
 def _switch_site(transport: Transport, python: str, workdir: str, version_dir: str) -> None:

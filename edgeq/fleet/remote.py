@@ -215,7 +215,7 @@ def push_to_device(
     if not files:
         return PushSummary(runtime, ())
     if state is not None and not state.leftover:
-        made = state.models_dir or runtime.mode == "site"  # a site install makes WORKDIR/models
+        made = state.models_dir or runtime.installed == "installed"  # an install's probe makes WORKDIR/models
         try:
             return PushSummary(
                 runtime, tuple(upload_and_commit(transport, files, state.sha256, dict(state.live), made))

@@ -386,6 +386,31 @@ def test_offline_device_without_pip_gets_every_wheel_pushed(cli, fleet, tmp_path
     assert report["model"]["accuracy"]["accuracy"] > 0.9
 
 
+def test_a_cold_push_to_a_new_virtualenv_is_five_remote_commands(fleet, tmp_path):
+    """Counted by the transport over real SSH: the state read, one probe (the base Python, the
+    folders made, the venv's bin and the wheelhouse listed), the venv made, one pip command that
+    first checks every wheel's sha256 and writes the marker when it succeeds, the models' commit.
+    The wheels go up by SFTP between them. Then the same push again is one command."""
+    from edgeq.fleet.inventory import load_inventory
+    from edgeq.fleet.remote import push_to
+
+    from .conftest import host_python
+
+    inventory = tmp_path / "devices.toml"
+    extra = f'python = "{host_python()}"\nvenv = "{tmp_path / "venv"}"\nwheelhouse = "{fleet.root / "wheelhouse"}"'
+    inventory.write_text(
+        f'[defaults]\nknown_hosts = "{fleet.known_hosts}"\n\n'
+        + fleet.device_toml("fresh-venv", fleet.sshd.port, tmp_path / "work", extra)
+    )
+    device = load_inventory(inventory).get("fresh-venv")
+    cold = push_to(device, [INT8])
+    assert cold.runtime.mode == "venv" and cold.runtime.installed == "installed", cold
+    assert cold.commands == 5, cold.commands
+    assert (tmp_path / "work" / "models" / INT8.name).read_bytes() == INT8.read_bytes()
+    again = push_to(device, [INT8])
+    assert again.commands == 1 and again.runtime.installed == "unchanged", again
+
+
 def test_connect_retries_with_backoff_until_sshd_answers(fleet, tmp_path):
     """A transient failure (nothing listens yet) is retried; the sshd started after the first
     failed attempt (from the retry's own log record, not on a timer) is reached."""
