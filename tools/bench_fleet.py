@@ -102,7 +102,9 @@ def section(n: dict, n200: dict | None = None) -> str:
         "2 (that read, the upload by SFTP, one command that checks, keeps, renames and records); `profile --on` a "
         "device whose model is there 2 (one Python start-up); a cold push that installs edgeq on a site device 4 "
         "(that read; the probe, which also prepares the folders and lists the wheelhouse; the uploads by SFTP; "
-        "one Python start-up that checks every sha256, unpacks, switches and records; the models' commit).",
+        "one Python start-up that checks every sha256, unpacks, switches and records; the models' commit); "
+        "a cold push to a new virtualenv device 5 (`tests/fleet/test_fleet.py`, over sshd: the read, the probe, "
+        "the venv made, one pip command that first checks every wheel's sha256 and writes the marker, the commit).",
         f"- Host peak RSS: {rss:.0f} MiB; target < 150 MiB: {met[rss < 150]}.",
         f"- One device's cold push at 8 in parallel: {n['venv_device_push_mean_s']:.0f} s for a venv device "
         "(create the venv without ensurepip, then pip, run from its wheel in the wheelhouse, installs ten wheels), "
