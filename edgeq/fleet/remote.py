@@ -260,7 +260,9 @@ def _push(transport: Transport, files, on_event: Event, health: HealthLimits | N
             on_event(device.name, f"pushed {uploaded} file(s)" if uploaded else "up to date")
             runtime, _ = runtime_layout(device, expand=transport.expand)
             return PushSummary(runtime, tuple(records), transport.commands)
-    summary = push_to_device(transport, files, on_event, state=state, **kwargs)
+    # a fast path that failed goes the careful way (its state may be what failed); else the bootstrap
+    # and the commit reuse what the first read found
+    summary = push_to_device(transport, files, on_event, state=None if current else state, **kwargs)
     return dataclasses.replace(summary, commands=transport.commands)
 
 
