@@ -17,7 +17,6 @@ Both keep the runtime they replace, for ``edgeq push --rollback --runtime``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -27,14 +26,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import edgeq
-from edgeq.artifacts import atomic_path, sha256_file
+from edgeq.artifacts import atomic_path
 from edgeq.errors import DeviceError
-from edgeq.fleet.push import PART_MARK, Rollback, _now, device_python_c, read_live, write_live
+from edgeq.fleet.push import Rollback, _now, device_python_c, read_live, upload_atomically, write_live
 from edgeq.fleet.transport import Transport, confine
 
 log = logging.getLogger(__name__)
@@ -363,7 +361,8 @@ _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
 def wheel_digest(wheel: str | Path | None = None) -> str:
-    """The sha256 of ``wheel`` (this checkout's build when None), computed once per file state."""
+    """The sha256 of ``wheel`` (this checkout's build when None; any dependency wheel or file
+    pushed), computed once per file state however many devices get it."""
     wheel = Path(wheel) if wheel else build_wheel()
     stat = wheel.stat()
     key = (str(wheel.resolve()), stat.st_mtime_ns, stat.st_size)
@@ -431,7 +430,7 @@ def ensure_runtime(
         # no byte-compiling at install: a module is compiled when it is first imported, and
         # most of numpy's and protobuf's modules never are on a device
         options = ["install", "--quiet", "--disable-pip-version-check", "--no-compile"]
-        _upload(transport, wheel, build_dir)
+        upload_atomically(transport, wheel, build_dir)
         wheel_remote = confine(build_dir, wheel.name)
         index, itself = [], []
         if dependencies:
@@ -445,7 +444,10 @@ def ensure_runtime(
         pip = [*runner, *index]
         # Each pip command first checks the sha256 of every wheel it is given (a wrong one is
         # removed, to be sent again); the last one to run writes the marker when it succeeds.
-        checked = [f"{wheel_remote}={_sha256(wheel)}", *[f"{house}/{p.name}={_sha256(p)}" for p in dependencies]]
+        checked = [
+            f"{wheel_remote}={wheel_digest(wheel)}",
+            *[f"{house}/{p.name}={wheel_digest(p)}" for p in dependencies],
+        ]
 
         def install(argv: list[str], last: bool, timeout: float):
             return _checked_run(transport, checked, argv, marker if last else None, digest, timeout)
@@ -498,11 +500,11 @@ def _install_site(transport: Transport, python: str, wheel: Path, digest: str, l
     if info.runtime == "tflite_runtime":  # the runtime the device has; it ships no .tflite schema
         missing, extra = [*missing, "flatbuffers"], [_schema_for_tflite_runtime()]
     for path in (wheel, *extra):
-        _upload(transport, path, own)
+        upload_atomically(transport, path, own)
     dependencies = _dependency_wheels(info, missing, wheels_dir) if missing else []
     _send_dependencies(transport, dependencies, house, info.listed.get(house) or {})
-    files = [f"{own}/{p.name}={_sha256(p)}" for p in (wheel, *extra)]
-    files += [f"{house}/{p.name}={_sha256(p)}" for p in dependencies]
+    files = [f"{own}/{p.name}={wheel_digest(p)}" for p in (wheel, *extra)]
+    files += [f"{house}/{p.name}={wheel_digest(p)}" for p in dependencies]
     record = json.dumps({"live": _version_record(digest, wheel, dir=version_dir), "previous": live or None})
     args = ["install-site", workdir, version_dir, _MARKER, digest, f"{RUNTIME_STATE}={record}", *files]
     result = device_python_c(transport, python, args, timeout=900)
@@ -523,26 +525,8 @@ def _send_dependencies(transport: Transport, dependencies: list[Path], house: st
             there = {name: None for name in transport.listdir(house)}
             lacking = [p for p in lacking if p.name not in there]
         for path in lacking:
-            _upload(transport, path, house)
+            upload_atomically(transport, path, house)
             sent.add(path.name)
-
-
-def _upload(transport: Transport, path: Path, folder: str) -> None:
-    """SFTP ``path`` to ``folder`` under a part name, then rename it (no command runs)."""
-    part = confine(folder, f".{path.name}{PART_MARK}{uuid.uuid4().hex[:12]}")
-    transport.upload(path, part)
-    transport.rename(part, confine(folder, path.name))
-
-
-@functools.lru_cache(maxsize=256)
-def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
-    return sha256_file(path)
-
-
-def _sha256(path: Path) -> str:
-    """sha256 of a local file, hashed once per process however many devices get it."""
-    stat = path.stat()
-    return _sha256_of(str(path), stat.st_size, stat.st_mtime_ns)
 
 
 def rollback_runtime(transport: Transport) -> Rollback:

@@ -215,14 +215,22 @@ def read_live(transport: Transport, folder: str, name: str = LIVE) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def upload_atomically(transport: Transport, local: Path, folder: str, name: str | None = None) -> None:
+    """SFTP ``local`` into ``folder`` (as ``name``) under a part name, then rename it: a reader
+    finds the old file or the whole new one, and no command runs on the device."""
+    name = name or local.name
+    hidden = name if name.startswith(".") else f".{name}"
+    part = confine(folder, f"{hidden}{PART_MARK}{uuid.uuid4().hex[:12]}")
+    transport.upload(local, part)
+    transport.rename(part, confine(folder, name))
+
+
 def write_live(transport: Transport, folder: str, live: dict, name: str = LIVE) -> None:
     """Write .edgeq-live.json (or ``name``) on the device atomically (temporary name, then rename)."""
     with tempfile.TemporaryDirectory(prefix="edgeq-live-") as tmp:
         local = Path(tmp) / name
         local.write_text(json.dumps(live, indent=2, sort_keys=True), encoding="utf-8")
-        part = confine(folder, f"{name}{PART_MARK}{uuid.uuid4().hex[:12]}")
-        transport.upload(local, part)
-        transport.rename(part, confine(folder, name))
+        upload_atomically(transport, local, folder)
 
 
 @dataclass(frozen=True)
