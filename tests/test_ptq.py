@@ -635,8 +635,9 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
     """One range engine: ``analyze --ranges M`` (the converter's calibration, its tensors
     re-ranged by edgeq) and ``convert --ptq M`` (edgeq's ranges in fake-quant ops) observe the
     same tensors on the same samples with the same observers, so every int8 tensor of the two
-    models has the same scale and zero point: a sensitivity or a plan measured with M is the
-    model convert --ptq M writes."""
+    models has the same scale and zero point (as on keras.applications MobileNetV2 from the CLI).
+    Not yet where the two paths build different graphs: a Keras 3 MobileNetV3Small through
+    TF-MOT's wrapping, or an int16 plan through LiteRT Quantizer (issue #31 stays open)."""
     from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
