@@ -111,11 +111,11 @@ FLOAT_DTYPES = {"float32", "float16", "float64"}
 VERIFY_SAMPLES = 200  # held-out samples verification compares on (and a --ptq search chooses on)
 
 # --ptq: who chooses the ranges of integer post-training quantization. "converter" is the
-# TFLite converter's own min/max calibration; the others are edgeq's (edgeq.quantize.ptq), set into
-# fake-quant ops. "auto" converts with the converter's ranges first and stops there when the
-# SQNR reaches the target (the verification threshold unless --ptq-target raises it), so a
-# model the converter handles well costs one conversion. Otherwise edgeq's methods are scored
-# in the fake-quant model, the best is converted, and the better of the two real ones is kept.
+# TFLite converter's own min/max calibration; the others re-choose each calibrated min/max by
+# edgeq's methods (edgeq.quantize.calibration.ActivationRanges). "auto" converts with the
+# converter's ranges first and stops there when the SQNR reaches the target (the verification
+# threshold unless --ptq-target raises it), so a model the converter handles well costs one
+# conversion; otherwise each method is converted in turn until one does, and the best is kept.
 PTQ_AUTO = ("converter", "minmax", "percentile", "mse", "entropy")
 PTQ_METHODS = ("auto", "converter", *ACTIVATION_METHODS)
 ROUNDING_METHODS = (*ROUNDINGS, "adaround")  # adaround: edgeq.transforms.adaround
@@ -648,8 +648,9 @@ def _quantize(
 
 
 def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, is_qat) -> tuple[bytes, int]:
-    """One TFLiteConverter run; integer-only results get their requantize pairs fused."""
-    from edgeq.quantize.passes import fuse_requantize
+    """One TFLiteConverter run; integer-only results get their requantize pairs fused, and an
+    int8 HARD_SWISH becomes ADD/MUL (edgeq.quantize.passes) except for the Edge TPU compiler."""
+    from edgeq.quantize.passes import fuse_requantize, unfuse_hard_swish
     from edgeq.shims.tflite import native_output_silenced
 
     granularity = "per-channel" if is_qat else options.granularity
@@ -658,6 +659,8 @@ def _convert_tflite(keras_model, spec: ModeSpec, dataset, options: ConvertOption
     )
     with native_output_silenced():
         flatbuffer = converter.convert()
+    if spec.calibrate and not options.edgetpu:  # int8 HARD_SWISH has no XNNPACK kernel: ADD/MUL run in one partition
+        flatbuffer, _ = unfuse_hard_swish(flatbuffer)
     return fuse_requantize(flatbuffer) if spec.integer_only else (flatbuffer, 0)
 
 
@@ -683,88 +686,75 @@ def _convert_searching_ranges(
 ):
     """Integer PTQ by each --ptq candidate; the best by SQNR against FP32 on held-out samples.
 
-    The converter's candidate is a real conversion, measured in LiteRT. edgeq's range methods
-    share one calibration pass and are each scored in the fake-quant model (TF-MOT's
-    simulation of the int8 graph), which costs an inference, not a conversion; only the best
-    of them is converted and measured in LiteRT. The result kept is the better of the two
-    real ones, so ``auto`` is never worse than the converter on the samples checked. Those
-    samples (``held.x_select``) are disjoint from the ones verification then gates and records.
+    Every candidate is a real conversion, measured in LiteRT. ``converter`` is the converter's
+    own calibration; each of edgeq's methods is the same conversion with every calibrated
+    min/max re-chosen by that method (``ActivationRanges``: one calibration and one observation
+    pass serve them all, as they serve ``analyze``). With edgeq's weights (--weight-ranges,
+    --rounding, --weight-bits) every candidate carries the same chosen codes. Candidates are
+    tried in order until one reaches the target; the best measured is kept, so ``auto`` is
+    never worse than the converter on the samples checked. Those samples (``held.x_select``)
+    are disjoint from the ones verification then gates and records.
     Returns the flatbuffer and the manifest's record of every candidate (and a note).
     """
+    import contextlib
+
+    from edgeq.quantize.calibration import ActivationRanges
+    from edgeq.quantize.passes import with_weight_codes
+
     methods = PTQ_AUTO if options.ptq == "auto" else (options.ptq,)
     target = options.ptq_target_db
     if target is None:
         target = spec.min_sqnr_db if options.min_sqnr_db is None else float(options.min_sqnr_db)
-    rounding = options.rounding
-    if rounding != "nearest" or options.weight_bits != 8:
-        # the converter rounds to nearest, at 8 bits: only edgeq's candidates round otherwise
+    weights = _chosen_weights(keras_model, dataset, options)
+    if weights is not None:  # the converter rounds to nearest, at 8 bits, by min/max: only edgeq's candidates
         methods = tuple(m for m in methods if m != "converter")
+    model = weights.model if weights is not None else keras_model
     x_check, split = held.x_select, held.split
     reference = reference_model.predict(x_check, batch_size=64, verbose=0)
-    candidates, best = [], None
-
-    def measured(flatbuffer):
-        got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict(x_check, batch_size=1)
-        return compare_outputs(reference, got)
-
-    def failed(method, exc, start):
-        if len(methods) == 1:
-            raise exc
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        candidates.append({"method": method, "error": first, "seconds": round(time.perf_counter() - start, 3)})
-
-    if "converter" in methods:
+    ranges = ActivationRanges(dataset.calibration_samples(options.calib_samples))
+    candidates, best, stopped_at = [], None, None
+    for method in methods:
         start = time.perf_counter()
         try:
-            flatbuffer, _ = _convert_tflite(keras_model, spec, dataset, options, False)
-            cmp = measured(flatbuffer)
+            with contextlib.nullcontext() if method == "converter" else ranges.ranged(method):
+                flatbuffer, _ = _convert_tflite(model, spec, dataset, options, False)
+            if weights is not None:
+                flatbuffer = with_weight_codes(flatbuffer, weights.kernels)
+            got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict(x_check, batch_size=1)
+            cmp = compare_outputs(reference, got)
         except (UsageError, DataError):
             raise
         except Exception as exc:  # one candidate failing must not hide the others
-            failed("converter", exc, start)
-        else:
-            candidates.append(_candidate("converter", cmp, start))
-            best = ("converter", cmp.sqnr_db, flatbuffer)
-    ours = [m for m in methods if m != "converter"]
-    stopped = best is not None and best[1] >= target  # good enough: edgeq's candidates are not tried
-    calibration = None
-    if ours and not stopped:
-        start = time.perf_counter()
-        try:
-            found, pick, simulated, flatbuffer = _edgeq_ranges(
-                keras_model, spec, dataset, options, ours, reference, x_check
-            )
-            cmp = measured(flatbuffer)
-            calibration = found
-        except (UsageError, DataError):
-            raise
-        except Exception as exc:
-            failed(" | ".join(ours), exc, start)
-        else:
-            for method in ours:
-                entry = {"method": method}
-                if method in simulated:
-                    entry |= {
-                        "simulated_sqnr_db": round(simulated[method].sqnr_db, 3),
-                        "simulated_agreement": round(simulated[method].agreement, 6),
-                    }
-                if method == pick:
-                    entry |= _candidate(method, cmp, start)
-                candidates.append(entry)
-            if best is None or cmp.sqnr_db > best[1]:
-                best = (pick, cmp.sqnr_db, flatbuffer)
+            if len(methods) == 1:
+                raise
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            candidates.append({"method": method, "error": first, "seconds": round(time.perf_counter() - start, 3)})
+            continue
+        candidates.append(_candidate(method, cmp, start))
+        if best is None or cmp.sqnr_db > best[1]:
+            best = (method, cmp.sqnr_db, flatbuffer)
+        if cmp.sqnr_db >= target and method != methods[-1]:
+            stopped_at = target  # good enough: the rest are not tried
+            break
     if best is None:
         raise ConversionError(
             f"every --ptq candidate failed: {'; '.join(c['method'] + ': ' + c['error'] for c in candidates)}"
         )
-    stopped_at = target if stopped and ours else None
-    note, rounding_record = _search_note(options, best[0], candidates, held, stopped_at, calibration)
+    tried = ", ".join(_described(c) for c in candidates)
+    note = (
+        f"--ptq {options.ptq}: {best[0]} ranges chosen by SQNR vs FP32 on {len(x_check)} {split} samples, "
+        f"not those verification uses ({tried}"
+        f"{'; stopped at the target ' + format(stopped_at, '.1f') + ' dB' if stopped_at is not None else ''})"
+    )
+    rounding = {"method": "nearest", "seed": None, "layers": []}
+    if weights is not None:
+        rounding, note = weights.record, note + _weights_note(weights.record)
     record = {
         "requested": options.ptq,
         "chosen": best[0],
         "target_db": target,
         "weight_ranges": options.weight_ranges,
-        "rounding": rounding_record,
+        "rounding": rounding,
         "checked_on": f"{len(x_check)} {split} samples",
         "checked_on_classes": held.classes_select,
         "candidates": candidates,
@@ -773,51 +763,35 @@ def _convert_searching_ranges(
     return best[2], record
 
 
-def _edgeq_ranges(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, methods, reference, x_check):
-    """edgeq's range methods: one calibration pass, each method scored in the fake-quant model
-    (when there are several), the best converted. Returns (calibration, method, simulated scores, flatbuffer)."""
+def _chosen_weights(keras_model, dataset, options: ConvertOptions):
+    """edgeq's weight codes (edgeq.quantize.ptq) when the options ask for other than the converter's."""
+    if options.weight_ranges == "minmax" and options.rounding == "nearest" and options.weight_bits == 8:
+        return None
     from edgeq.model_io import as_tf_keras
-    from edgeq.quantize.ptq import RangeCalibration
+    from edgeq.quantize.ptq import choose_weights
 
-    calibration = RangeCalibration(
+    return choose_weights(
         as_tf_keras(keras_model),
         dataset.calibration_samples(options.calib_samples),
+        options.weight_ranges,
+        options.rounding,
+        options.seed,
+        options.weight_bits,
         options.granularity == "per-tensor",
-        fold=options.rounding != "nearest",
-        weight_bits=options.weight_bits,
     )
-    simulated = {}
-    for method in methods:
-        qat, _ = calibration.model(method, options.weight_ranges, options.rounding, options.seed)
-        if len(methods) > 1:
-            simulated[method] = compare_outputs(reference, qat.predict(x_check, batch_size=64, verbose=0))
-    pick = max(methods, key=lambda m: simulated[m].sqnr_db) if simulated else methods[0]
-    if pick != methods[-1]:  # the fake-quant variables hold the last method's ranges
-        qat, _ = calibration.model(pick, options.weight_ranges, options.rounding, options.seed)
-    flatbuffer, _ = _convert_tflite(qat, spec, dataset, options, True)
-    return calibration, pick, simulated, flatbuffer
 
 
-def _search_note(options: ConvertOptions, chosen: str, candidates, held, stopped_at, calibration):
-    """The manifest's note on a --ptq search, and its record of how the weights were rounded."""
-    tried = ", ".join(_described(c) for c in candidates)
+def _weights_note(record: dict) -> str:
+    layers = record["layers"]
     note = (
-        f"--ptq {options.ptq}: {chosen} ranges chosen by SQNR vs FP32 on {len(held.x_select)} {held.split} samples, "
-        f"not those verification uses ({tried}"
-        f"{'; stopped at the target ' + format(stopped_at, '.1f') + ' dB' if stopped_at is not None else ''})"
+        f"; {record['weight_bits']}-bit weights, {record['weight_ranges']} ranges, rounded by {record['method']} "
+        f"(seed {record['seed']}) in {len(layers)} layers"
     )
-    rounding, record = options.rounding, {"method": "nearest", "seed": None, "layers": []}
-    if (rounding != "nearest" or options.weight_bits != 8) and calibration is not None:
-        record = calibration.rounding | {"weight_bits": options.weight_bits}
-        layers = record["layers"]
-        note += (
-            f"; {options.weight_bits}-bit weights rounded by {rounding} (seed {options.seed}) in {len(layers)} layers"
-        )
-        if rounding == "adaround" and layers:
-            before = float(np.mean([la["output_mse_nearest"] for la in layers]))
-            after = float(np.mean([la["output_mse"] for la in layers]))
-            note += f", mean layer output MSE {before:.3g} -> {after:.3g} vs nearest"
-    return note, record
+    if record["method"] == "adaround" and layers:
+        before = float(np.mean([la["output_mse_nearest"] for la in layers]))
+        after = float(np.mean([la["output_mse"] for la in layers]))
+        note += f", mean layer output MSE {before:.3g} -> {after:.3g} vs nearest"
+    return note
 
 
 def _calibration_record(dataset: Dataset, n: int) -> dict:
@@ -844,12 +818,7 @@ def _candidate(method: str, cmp, start: float) -> dict:
 
 
 def _described(c: dict) -> str:
-    if "sqnr_db" in c:
-        text = f"{c['method']} {c['sqnr_db']:.1f} dB"
-        return text + (f" (simulated {c['simulated_sqnr_db']:.1f})" if "simulated_sqnr_db" in c else "")
-    if "simulated_sqnr_db" in c:
-        return f"{c['method']} simulated {c['simulated_sqnr_db']:.1f} dB"
-    return f"{c['method']} failed"
+    return f"{c['method']} {c['sqnr_db']:.1f} dB" if "sqnr_db" in c else f"{c['method']} failed"
 
 
 def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str]):

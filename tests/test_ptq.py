@@ -76,25 +76,40 @@ def _sqnr_vs(reference, got):
     return compare_outputs(reference, got).sqnr_db
 
 
-def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digits_run, tmp_path):
-    from edgeq.conversion import ConvertOptions, convert
+def _int8_only_with_ranges(model, x_cal, ranges, method):
+    """``model`` converted int8-only by the TFLite converter, calibrated on ``x_cal``, its
+    activation ranges re-chosen by ``method`` through ``ranges`` (an ActivationRanges; None:
+    the converter's own), and no edgeq pass after."""
+    import contextlib
+
+    from edgeq.compat import tf
+    from edgeq.shims.tflite import keras_converter, native_output_silenced
+
+    converter = keras_converter(model)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = lambda: ([x_cal[i : i + 1]] for i in range(len(x_cal)))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = converter.inference_output_type = tf.int8
+    with ranges.ranged(method) if ranges else contextlib.nullcontext(), native_output_silenced():
+        return converter.convert()
+
+
+def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digits_run):
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
-    from edgeq.quantize.ptq import RangeCalibration
+    from edgeq.quantize.calibration import ActivationRanges
     from edgeq.runtime.interpreter import TFLiteModel
 
     d = load_dataset("digits")
     model = load_keras_model(digits_run.fp32_model)
     x_cal = d.calibration_samples(128).copy()
     x_cal[0, 4, 4, 0] = 40.0  # one hot pixel (the rest are in [0, 1]) blows the min/max ranges up
-    calibration = RangeCalibration(model, x_cal)
+    ranges = ActivationRanges(x_cal)  # one calibration, observed once, serves every method
     reference = model.predict(d.x_test, verbose=0)
     sqnr = {}
     for method in ("minmax", "percentile", "mse", "entropy"):
-        qat, chosen = calibration.model(method)
-        out = tmp_path / f"{method}.tflite"
-        convert(qat, out, ConvertOptions(mode="int8-only", calib="digits", min_sqnr_db=-100))
-        sqnr[method] = _sqnr_vs(reference, TFLiteModel(out).predict(d.x_test, batch_size=1))
+        flatbuffer = _int8_only_with_ranges(model, x_cal, ranges, method)
+        sqnr[method] = _sqnr_vs(reference, TFLiteModel(model_content=flatbuffer).predict(d.x_test, batch_size=1))
     # Percentile and entropy clip the lone hot pixel. MSE keeps it, by its own measure rightly: one
     # value off by 39 costs more squared error than the coarser grid does on 8,192 others; it
     # clips heavy tails (test_mse_search_lowers_the_total_error_of_a_heavy_tail), not lone outliers.
@@ -102,20 +117,20 @@ def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digi
     assert sqnr["mse"] >= sqnr["minmax"] - 0.5, sqnr
 
 
-def test_the_chosen_ranges_are_the_ranges_in_the_tflite(digits_run, tmp_path):
-    from edgeq.conversion import ConvertOptions, convert
+def test_the_chosen_ranges_are_the_ranges_in_the_tflite(digits_run):
+    from edgeq.compat import tf
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
-    from edgeq.quantize.ptq import RangeCalibration
+    from edgeq.quantize.calibration import ActivationRanges
     from edgeq.runtime.interpreter import TFLiteModel
 
     d = load_dataset("digits")
     model = load_keras_model(digits_run.fp32_model)
-    qat, chosen = RangeCalibration(model, d.calibration_samples(64)).model("percentile")
-    out = tmp_path / "p.tflite"
-    convert(qat, out, ConvertOptions(mode="int8-only", calib="digits"))
-    tensor = TFLiteModel(out).input
-    lo, hi = next((c.low, c.high) for c in chosen if c.layer == "input")
+    x_cal = d.calibration_samples(64)
+    ranges = ActivationRanges(x_cal)
+    tensor = TFLiteModel(model_content=_int8_only_with_ranges(model, x_cal, ranges, "percentile")).input
+    (detail,) = tf.lite.Interpreter(model_content=ranges.calibrated).get_input_details()
+    lo, hi = activation_range(ranges.observers[detail["index"]].values(), "percentile")
     scale = (hi - lo) / 255.0
     assert tensor.scale == pytest.approx(scale, rel=1e-5)
     assert tensor.zero_point == int(np.round(-128 - lo / scale))
@@ -130,17 +145,11 @@ def test_ptq_auto_keeps_the_best_candidate_and_records_every_one(cli, digits_run
     record = manifest["ptq"]
     candidates = record["candidates"]
     assert [c["method"] for c in candidates] == ["converter", "minmax", "percentile", "mse", "entropy"]
-    # edgeq's methods are scored in the fake-quant model; only the best of them is converted
-    ours = candidates[1:]
-    assert all("simulated_sqnr_db" in c for c in ours)
-    picked = max(ours, key=lambda c: c["simulated_sqnr_db"])
-    assert [c["method"] for c in ours if "sqnr_db" in c] == [picked["method"]]
-    # the simulation predicts the int8 model it stands for: within 0.1-1.7 dB on the random-weight
-    # applications models in BENCHMARKS.md, up to 7 dB on a trained digits-cnn at ~50 dB (on the 89
-    # val samples the choice now uses), where the fake-quant ops' rounding and the integer kernels'
-    # differ by more than the quantization noise; both stay far above the 10 dB verification threshold
-    assert abs(picked["simulated_sqnr_db"] - picked["sqnr_db"]) < 9.0 and picked["sqnr_db"] > 30, picked
-    best = max((c for c in candidates if "sqnr_db" in c), key=lambda c: c["sqnr_db"])
+    # every candidate is a conversion measured in LiteRT; minmax re-chooses each calibrated range
+    # as the converter's own min/max, so it builds the converter's model
+    assert all(c["sqnr_db"] > 30 for c in candidates), candidates
+    assert candidates[1]["sqnr_db"] == pytest.approx(candidates[0]["sqnr_db"], abs=1e-6)
+    best = max(candidates, key=lambda c: c["sqnr_db"])
     assert record["chosen"] == best["method"]
     assert "val samples" in manifest["verification"]["data"]  # checked on data calibration never saw
     assert manifest["verification"]["integer_only"]
@@ -242,30 +251,29 @@ def test_chosen_rounding_reaches_the_tflite_as_those_int8_values(digits_run, tmp
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
     from edgeq.model_io import load_keras_model
-    from edgeq.quantize.ptq import RangeCalibration
+    from edgeq.quantize.ptq import choose_weights
 
     d = load_dataset("digits")
-    calibration = RangeCalibration(load_keras_model(digits_run.fp32_model), d.calibration_samples(64), fold=True)
-
-    def chosen_codes():
-        return [np.round(v.numpy() / s) for v, _, _, s in calibration._kernels()]
-
-    qat, _ = calibration.model("minmax", rounding="stochastic", seed=3)
-    seed3 = chosen_codes()
+    model = load_keras_model(digits_run.fp32_model)
+    x_cal = d.calibration_samples(64)
+    seed3 = [k.codes for k in choose_weights(model, x_cal, rounding="stochastic", seed=3).kernels]
+    seed4 = [k.codes for k in choose_weights(model, x_cal, rounding="stochastic", seed=4).kernels]
+    assert any(np.any(a != b) for a, b in zip(seed3, seed4))
+    nearest = choose_weights(model, x_cal)
+    assert any(np.any(a != k.codes) for a, k in zip(seed3, nearest.kernels))
     out = tmp_path / "stochastic.tflite"
-    convert(qat, out, ConvertOptions(mode="int8-only", calib="digits", ptq="converter"))
+    options = ConvertOptions(
+        mode="int8-only", calib="digits", calib_samples=64, ptq="minmax", rounding="stochastic", seed=3
+    )
+    convert(model, out, options)
     in_tflite = _int8_kernels(out)
     assert len(in_tflite) == len(seed3)
     for (op, q), want in zip(in_tflite, seed3):
         keras_layout = np.transpose(q, (1, 2, 3, 0)) if op == "CONV_2D" else q.T if q.ndim == 2 else q[0]
         np.testing.assert_array_equal(keras_layout.reshape(want.shape), want)
-    assert calibration.rounding["method"] == "stochastic" and calibration.rounding["seed"] == 3
-
-    calibration.model("minmax", rounding="stochastic", seed=4)
-    assert any(np.any(a != b) for a, b in zip(seed3, chosen_codes()))
-    calibration.model("minmax")  # nearest again: the FP32 kernels, for the converter to round
-    for variable, _, kernel, _ in calibration._kernels():
-        np.testing.assert_array_equal(variable.numpy(), kernel)
+    manifest = json.loads(out.with_name("stochastic.manifest.json").read_text())
+    assert manifest["ptq"]["rounding"]["method"] == "stochastic" and manifest["ptq"]["rounding"]["seed"] == 3
+    np.testing.assert_array_equal(model.get_weights()[0], load_keras_model(digits_run.fp32_model).get_weights()[0])
 
 
 def test_adaround_lowers_the_layers_output_error_against_nearest():
@@ -406,12 +414,11 @@ def test_plan_records_its_ranges_and_convert_plan_uses_them(cli, digits_run, tmp
 
 def test_concatenations_get_one_range_so_the_converter_adds_no_requantization(tmp_path):
     """A DenseNet-like chain (PAD -> MAX_POOL -> CONCATENATION -> ... -> CONCATENATION): TFLite's
-    int8 kernels of these want one scale on all their tensors. With each tensor's own range
-    the converter inserted a QUANTIZE op (a second rounding) where they differ; edgeq gives
-    the chain one range, the union, as the converter's own calibration does."""
+    int8 kernels of these want one scale on all their tensors. edgeq's ranges (here percentile)
+    replace the converter's calibrated min/max tensor by tensor, and the converter's quantizer
+    then gives the chain one scale as it does for its own: no QUANTIZE op (a second rounding)."""
     from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
-    from edgeq.quantize.ptq import RangeCalibration
     from edgeq.runtime.flatbuffer import read_tflite
 
     layers = keras.layers
@@ -419,28 +426,18 @@ def test_concatenations_get_one_range_so_the_converter_adds_no_requantization(tm
     inp = keras.Input((16, 16, 3))
     stem = layers.Conv2D(8, 3, padding="same", activation="relu")
     x = layers.MaxPooling2D(3, strides=2)(layers.ZeroPadding2D(1)(stem(inp)))
-    chain, convs = [stem.name], []
     for i in range(3):
         conv = layers.Conv2D(8 * (i + 1), 3, padding="same")
-        concat = layers.Concatenate()
-        x = concat([x, conv(layers.ReLU()(layers.BatchNormalization()(x)))])
-        chain.append(concat.name)
-        convs.append(conv.name)
-    head = layers.Dense(10)
-    model = keras.Model(inp, head(layers.GlobalAveragePooling2D()(x)))
+        x = layers.Concatenate()([x, conv(layers.ReLU()(layers.BatchNormalization()(x)))])
+    model = keras.Model(inp, layers.Dense(10)(layers.GlobalAveragePooling2D()(x)))
     rng = np.random.default_rng(0)
     samples = rng.random((64, 16, 16, 3)).astype(np.float32)
     model(samples, training=True)  # BN statistics of a sort, not their initial 0 and 1
 
-    qat, chosen = RangeCalibration(model, samples).model("minmax")
-    ranges = {c.layer: (c.low, c.high) for c in chosen if "kernel" not in c.variable}
-    assert len({ranges[n] for n in chain}) == 1, {n: ranges[n] for n in chain}  # conv -> pad -> pool joins too
-    assert ranges[head.name] != ranges[chain[0]]  # what feeds no concatenation keeps its own
-
     calib = tmp_path / "calib.npz"
     np.savez(calib, x=samples, y=np.zeros(len(samples), np.int64))
     out = tmp_path / "dense.tflite"
-    convert(qat, out, ConvertOptions(mode="int8-only", calib=f"npz:{calib}", min_sqnr_db=-100.0))
+    convert(model, out, ConvertOptions(mode="int8-only", calib=f"npz:{calib}", ptq="percentile", min_sqnr_db=-100.0))
     graph = read_tflite(out).subgraphs[0]
     ops = [op.op_type for op in graph.operators]
     assert ops.count("CONCATENATION") == 3 and "QUANTIZE" not in ops, ops
@@ -518,14 +515,16 @@ def _mobilenet_v3_like():
     return keras.Model(inp, layers.Dense(10)(layers.GlobalAveragePooling2D()(y)))
 
 
-def test_hard_swish_stays_add_mul_so_xnnpack_runs_the_model_in_one_partition(tmp_path):
+def test_hard_swish_becomes_add_mul_so_xnnpack_runs_the_model_in_one_partition(tmp_path):
     """The converter fuses hard-swish into HARD_SWISH, which this LiteRT's XNNPACK has no int8
-    kernel for: its MobileNetV3Small runs in 20 delegate partitions, 1.6x slower than edgeq's,
-    whose fake-quants keep hard-swish as ADD/MUL, all in one partition (same SQNR). A change
-    that fuses it (tried: one Keras layer, one fake-quant) fails here."""
+    kernel for: its MobileNetV3Small runs in 20 delegate partitions, 1.6x slower than as
+    ADD/MUL, all in one. edgeq's pass writes each int8 HARD_SWISH as ADD(x, 3)+RELU6, MUL by x,
+    MUL by 1/6, for every range method (the converter's included), and the outputs stay
+    within 2 output steps of the fused op's. A conversion that keeps HARD_SWISH fails here."""
     from ai_edge_litert.interpreter import Interpreter
 
     from edgeq.conversion import ConvertOptions, convert
+    from edgeq.quantize.passes import unfuse_hard_swish
 
     model = _mobilenet_v3_like()
     samples = np.random.default_rng(0).normal(0, 1, (300, 16, 16, 3)).astype(np.float32)
@@ -533,17 +532,29 @@ def test_hard_swish_stays_add_mul_so_xnnpack_runs_the_model_in_one_partition(tmp
     model.save(path)
     calib = tmp_path / "calib.npz"
     np.savez(calib, x=samples, y=np.zeros(len(samples), np.int64))
-    ops, partitions = {}, {}
-    for ptq in ("converter", "minmax"):
+
+    def partitions(content):
+        interpreter = Interpreter(model_content=content)  # LiteRT's default CPU delegate, XNNPACK
+        interpreter.allocate_tensors()
+        return [op["op_name"] for op in interpreter._get_ops_details()].count("DELEGATE")  # noqa: SLF001
+
+    for ptq in ("converter", "mse"):
         out = tmp_path / f"{ptq}.tflite"
         convert(path, out, ConvertOptions(mode="int8-only", calib=f"npz:{calib}", ptq=ptq, min_sqnr_db=-100.0))
-        ops[ptq] = _ops_and_scales(out)[1]
-        interpreter = Interpreter(str(out))  # LiteRT's default CPU delegate, XNNPACK
-        interpreter.allocate_tensors()
-        partitions[ptq] = [op["op_name"] for op in interpreter._get_ops_details()].count("DELEGATE")  # noqa: SLF001
-    assert ops["converter"].count("HARD_SWISH") == 2
-    assert "HARD_SWISH" not in ops["minmax"]
-    assert partitions["minmax"] == 1 < partitions["converter"]
+        ops = _ops_and_scales(out)[1]
+        assert "HARD_SWISH" not in ops and ops.count("MUL") >= 6, (ptq, ops)
+        assert partitions(out.read_bytes()) == 1
+    fused = _int8_only_with_ranges(model, samples[:100], None, "converter")
+    unfused, count = unfuse_hard_swish(fused)
+    assert count == 2 and partitions(fused) > 1 == partitions(unfused)
+
+    def run(content):
+        from edgeq.runtime.interpreter import TFLiteModel
+
+        return TFLiteModel(model_content=content, use_default_delegates=False).predict(samples[200:], batch_size=1)
+
+    step = Interpreter(model_content=fused).get_output_details()[0]["quantization"][0]
+    assert np.max(np.abs(run(unfused) - run(fused))) <= 2.01 * step
 
 
 def test_the_range_observer_keeps_a_uniform_sample_in_bounded_memory(monkeypatch):
@@ -605,6 +616,8 @@ def test_w4a8_stores_4_bit_codes_in_integer_kernels_and_adaround_lowers_the_erro
     eight = tmp_path / "w8.tflite"
     assert cli("convert", digits_run.fp32_model, "--int8-only", "--calib", "digits", "--out", eight).exit_code == 0
     assert (tmp_path / "w4_nearest.tflite").stat().st_size < 0.75 * eight.stat().st_size  # packed two per byte
+    codes = read_tflite(tmp_path / "w4_nearest.tflite").main
+    assert sum(t.dtype == "int4" for t in codes.tensors if t.is_constant) == 4
     assert_one_line_error(
         cli("convert", digits_run.fp32_model, "--weight-bits", "4", "--ptq", "converter", "--calib", "digits"),
         "--ptq converter",
@@ -632,12 +645,10 @@ def test_adaround_learns_a_strided_1x1_convolution_exactly_as_the_layer_computes
 
 @pytest.mark.parametrize("method", ["percentile", "mse", "entropy"])
 def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path, method):
-    """One range engine: ``analyze --ranges M`` (the converter's calibration, its tensors
-    re-ranged by edgeq) and ``convert --ptq M`` (edgeq's ranges in fake-quant ops) observe the
-    same tensors on the same samples with the same observers, so every int8 tensor of the two
-    models has the same scale and zero point (as on keras.applications MobileNetV2 from the CLI).
-    Not yet where the two paths build different graphs: a Keras 3 MobileNetV3Small through
-    TF-MOT's wrapping, or an int16 plan through LiteRT Quantizer (issue #31 stays open)."""
+    """One range engine: ``analyze --ranges M`` and ``convert --ptq M`` both quantize the
+    converter's calibration with every min/max re-chosen by M (ActivationRanges), so every
+    int8 tensor of the two models has the same scale and zero point (from the CLI also on
+    keras.applications MobileNetV2 and a Keras 3 MobileNetV3Small: no scale differs)."""
     from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
@@ -675,9 +686,7 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
         ]
 
     a, c = sorted(activations(analyzed)), sorted(activations(converted))  # the two list the ops in other orders
-    assert [op for op, _, _ in a] == [op for op, _, _ in c], (a, c)
-    for (op, scale_a, zp_a), (_, scale_c, zp_c) in zip(a, c):
-        assert scale_c == pytest.approx(scale_a, rel=1e-4) and abs(zp_a - zp_c) <= 1, (op, a, c)
+    assert a == c
     minmax = tmp_path / "minmax.tflite"  # and M is not min/max by another name: some range is clipped
     minmax.write_bytes(calibrate(model, dataset, 48).quantize())
     narrower = [op for (op, s_m, _), (_, s_a, _) in zip(sorted(activations(minmax)), a) if s_a < 0.99 * s_m]

@@ -1,13 +1,16 @@
-"""Calibrate a float model once, then quantize it with any set of layers left float.
+"""Activation ranges, and a float model calibrated once then quantized with any layers left float.
 
-TFLite's QuantizationDebugger calibrates and records each quantized op against its float
-twin; every variant (full INT8, all but one layer, one layer only, a plan) is then a
-re-quantization of that one calibration. ``analyze`` measures with it, ``convert --plan``
-converts with it.
+``ActivationRanges`` is how every command that names a range method sets activation
+ranges: the converter's own calibration, each recorded min/max re-chosen by the method.
+TFLite's QuantizationDebugger calibrates (through it) and records each quantized op against
+its float twin; every variant (full INT8, all but one layer, one layer only, a plan) is then
+a re-quantization of that one calibration. ``analyze`` measures with it, ``convert --plan``
+converts with it, ``convert --ptq`` converts through the same ``ActivationRanges``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from collections.abc import Iterable
@@ -22,6 +25,7 @@ from edgeq.quantize.ranges import ACTIVATION_METHODS, activation_range
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.shims.litert import ops_details
 from edgeq.shims.tflite import (
+    calibration_replaced,
     debugger_keeping_every_tensor,
     disable_per_channel,
     keras_converter,
@@ -110,33 +114,66 @@ def layer_name_for(node: str, layer_names: list[str]) -> str:
     return node.split(";")[0]
 
 
-def recalibrated(calibrated: bytes, x: np.ndarray, method: str, seed: int = 0) -> bytes:
-    """``calibrated`` with each activation range re-chosen by ``method`` from its values on ``x``.
+class ActivationRanges:
+    """The one way edgeq's activation ranges enter a quantized model.
 
-    The converter's calibration records min/max on every tensor it will quantize; edgeq
-    runs the calibrated (float) model on the same samples, observes those tensors and
-    replaces each min/max by the range ``method`` picks (edgeq.quantize.ranges). Quantizing the
-    result then uses edgeq's ranges, with any set of layers left float.
+    The TFLite converter calibrates as always, recording min/max on every tensor it will
+    quantize. Then the calibrated (float) model runs on the same samples, each of those
+    tensors is observed (edgeq.quantize.ranges.Observer), and its min/max is replaced by the
+    range a method picks. Everything after that is the converter's own: ``analyze`` (its
+    QuantizationDebugger), ``convert --plan`` and ``convert --ptq METHOD`` all quantize
+    through ``ranged(method)``, so one method gives one model whichever command asked.
+
+    One instance serves one model converted with one set of converter options: the first
+    calibration is kept and observed once, and every later conversion under ``ranged``
+    reuses it (another method costs a quantization, not a calibration).
     """
-    from edgeq.quantize.ranges import Observer
 
-    recorded = tensor_ranges(calibrated)
-    with warnings.catch_warnings():  # tf.lite.Interpreter's deprecation; preserve_all_tensors is meant here
-        warnings.simplefilter("ignore")
-        interpreter = tf.lite.Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True)
-    with native_output_silenced():
-        interpreter.allocate_tensors()
-    (inp,) = interpreter.get_input_details()
-    observers = {index: Observer(seed) for index in recorded}
-    with native_output_silenced():  # LiteRT's "Created TensorFlow Lite XNNPACK delegate" line
-        for i in range(len(x)):
-            interpreter.set_tensor(inp["index"], x[i : i + 1].astype(inp["dtype"]))
-            interpreter.invoke()
-            for index, observer in observers.items():
-                observer.add(interpreter.get_tensor(index))
-    return with_tensor_ranges(
-        calibrated, {index: activation_range(observer.values(), method) for index, observer in observers.items()}
-    )
+    def __init__(self, x, seed: int = 0):
+        self.x = x  # the calibration samples: an array, or a dict of arrays by input name
+        self.seed = seed
+        self.calibrated: bytes | None = None
+        self.observers: dict = {}
+
+    def _observe(self, calibrated: bytes) -> None:
+        from edgeq.quantize.ranges import Observer
+
+        with warnings.catch_warnings():  # tf.lite.Interpreter's deprecation; preserve_all_tensors is meant here
+            warnings.simplefilter("ignore")
+            interpreter = tf.lite.Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True)
+        with native_output_silenced():
+            interpreter.allocate_tensors()
+        inputs = interpreter.get_input_details()
+        if isinstance(self.x, dict):  # by input name: the calibrated model's inputs carry the Keras names
+            feeds = [(d, self.x[max((k for k in self.x if k in d["name"]), key=len)]) for d in inputs]
+        else:
+            feeds = [(inputs[0], self.x)]
+        observers = {index: Observer(self.seed) for index in tensor_ranges(calibrated)}
+        with native_output_silenced():  # LiteRT's "Created TensorFlow Lite XNNPACK delegate" line
+            for i in range(len(feeds[0][1])):
+                for detail, x in feeds:
+                    interpreter.set_tensor(detail["index"], np.asarray(x[i : i + 1]).astype(detail["dtype"]))
+                interpreter.invoke()
+                for index, observer in observers.items():
+                    observer.add(interpreter.get_tensor(index))
+        self.calibrated, self.observers = calibrated, observers
+
+    def with_ranges(self, method: str) -> bytes:
+        """The kept calibration with every recorded min/max re-chosen by ``method``."""
+        chosen = {index: activation_range(o.values(), method) for index, o in self.observers.items()}
+        return with_tensor_ranges(self.calibrated, chosen)
+
+    @contextlib.contextmanager
+    def ranged(self, method: str):
+        """While open, a TFLite converter calibrating this model gets ``method``'s ranges."""
+
+        def replace(run_calibration):
+            if self.calibrated is None:
+                self._observe(run_calibration())
+            return self.with_ranges(method)
+
+        with calibration_replaced(replace):
+            yield
 
 
 def calibrate(
@@ -163,19 +200,14 @@ def calibrate(
             "rmse_over_scale": _rmse_over_scale,
         }
     )
-    with native_output_silenced():
+    chosen = ActivationRanges(dataset.calibration_samples(samples)).ranged(ranges) if ranges != "minmax" else None
+    with chosen or contextlib.nullcontext(), native_output_silenced():
         debugger = tf.lite.experimental.QuantizationDebugger(
             converter=converter,
             debug_dataset=dataset.representative_dataset(min(samples, 64), seed=2),
             debug_options=options,
         )
-    if ranges != "minmax":
-        debugger.calibrated_model = recalibrated(
-            debugger.calibrated_model, dataset.calibration_samples(samples), ranges
-        )
-        with native_output_silenced():
-            debugger.options = options  # its debug model is re-quantized from the new ranges
-    debugger_keeping_every_tensor(debugger)  # after any re-quantization, which makes its interpreter again
+    debugger_keeping_every_tensor(debugger)
     # Nodes are named as denylisted_nodes wants them: the output tensors of the
     # calibrated model's ops, in graph order.
     graph = TFLiteModel(model_content=debugger.calibrated_model, use_default_delegates=False, verify=False)

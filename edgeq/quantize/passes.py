@@ -67,3 +67,185 @@ def fuse_requantize(content: bytes) -> tuple[bytes, int]:
     builder = flatbuffers.Builder(len(content) + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     return bytes(builder.Output()), fused
+
+
+def _dequantized(tensor, buffers, qdim: int):
+    import numpy as np
+
+    data = np.frombuffer(bytes(bytearray(buffers[tensor.buffer].data)), dtype=np.int8).reshape(tensor.shape)
+    q = tensor.quantization
+    shape = [1] * data.ndim
+    scale = np.asarray(q.scale, np.float64)
+    if scale.size > 1:
+        shape[qdim] = -1
+    return (data.astype(np.float64) - np.asarray(q.zeroPoint).reshape(shape)) * scale.reshape(shape), scale
+
+
+def with_weight_codes(content: bytes, kernels) -> bytes:
+    """Write edgeq's chosen weight codes and scales into a converted model's int8 filters.
+
+    ``kernels``: ``edgeq.quantize.ptq.KernelCodes``, whose codes times scale are the float
+    kernels the converter was given. Each is found as the one int8 constant of its layout's
+    shape whose values the converter's codes reproduce (within half its step), its data and
+    scale become edgeq's, and the int32 bias of each op reading it is requantized to the new
+    input-times-filter scale. A kernel that is not found raises ValueError naming its layer.
+    """
+    import flatbuffers
+    import numpy as np
+
+    from edgeq.numerics import pack_int4
+
+    s = schema()
+    model = s.ModelT.InitFromPackedBuf(content, 0)
+    graph = model.subgraphs[0]
+    buffers = model.buffers
+    int8, int32 = s.TensorType.INT8, s.TensorType.INT32
+    candidates = [
+        i
+        for i, t in enumerate(graph.tensors)
+        if t.type == int8 and t.buffer and buffers[t.buffer].data is not None and len(buffers[t.buffer].data)
+        and t.quantization is not None and t.quantization.scale is not None
+    ]  # fmt: skip
+    readers: dict[int, list] = {}
+    for op in graph.operators or []:
+        if op.inputs is not None and len(op.inputs) > 1:
+            readers.setdefault(int(op.inputs[1]), []).append(op)
+    taken: set[int] = set()
+    for kernel in kernels:
+        codes, scale, qdim = kernel.tflite_layout()
+        want = codes.astype(np.float64) * (scale.reshape([-1 if d == qdim else 1 for d in range(codes.ndim)]))
+        found = None
+        for index in candidates:
+            tensor = graph.tensors[index]
+            if index in taken or tuple(tensor.shape) != codes.shape:
+                continue
+            values, step = _dequantized(tensor, buffers, int(tensor.quantization.quantizedDimension))
+            if np.all(np.abs(values - want) <= 0.5 * step.max() * (1 + 1e-4) + 1e-12):
+                found = index
+                break
+        if found is None:
+            raise ValueError(f"layer {kernel.layer}: its {codes.shape} filter is not in the converted model")
+        taken.add(found)
+        tensor = graph.tensors[found]
+        buffers.append(s.BufferT())
+        if kernel.bits == 4:  # TFLite's INT4 tensors: two codes per byte, low nibble first
+            buffers[-1].data = pack_int4(codes)
+            tensor.type = s.TensorType.INT4
+        else:
+            buffers[-1].data = np.ascontiguousarray(codes, np.int8).view(np.uint8).reshape(-1)
+        tensor.buffer = len(buffers) - 1
+        tensor.quantization.scale = [float(v) for v in scale]
+        tensor.quantization.zeroPoint = [0] * len(scale)
+        tensor.quantization.quantizedDimension = qdim if len(scale) > 1 else 0
+        for op in readers.get(found, []):
+            if len(op.inputs) < 3 or int(op.inputs[2]) < 0:
+                continue
+            bias = graph.tensors[int(op.inputs[2])]
+            if bias.type != int32 or not bias.buffer:
+                continue
+            values = np.frombuffer(bytes(bytearray(buffers[bias.buffer].data)), dtype=np.int32).astype(np.float64)
+            in_scale = float(graph.tensors[int(op.inputs[0])].quantization.scale[0])
+            old = np.asarray(bias.quantization.scale, np.float64)
+            new = in_scale * scale  # one scale per channel, or one for all (per-tensor)
+            requantized = np.clip(np.round(values * old / new), -(2**31), 2**31 - 1).astype(np.int32)
+            buffers.append(s.BufferT())
+            buffers[-1].data = requantized.view(np.uint8).reshape(-1)
+            bias.buffer = len(buffers) - 1
+            bias.quantization.scale = [float(v) for v in new]
+            bias.quantization.zeroPoint = [0] * len(new)
+    used = {int(t.buffer) for g in model.subgraphs for t in g.tensors}
+    for index, buffer in enumerate(buffers):
+        if index and index not in used:  # a replaced filter's or bias's old data: dropped, indices kept
+            buffer.data = None
+    builder = flatbuffers.Builder(len(content) + 1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def _opcode(model, s, builtin: int, version: int) -> int:
+    """The index of ``builtin``'s operator code in ``model``, added when missing."""
+    for i, code in enumerate(model.operatorCodes):
+        if max(code.builtinCode, code.deprecatedBuiltinCode) == builtin:
+            return i
+    code = s.OperatorCodeT()
+    code.builtinCode, code.deprecatedBuiltinCode, code.version = builtin, min(builtin, 127), version
+    model.operatorCodes.append(code)
+    return len(model.operatorCodes) - 1
+
+
+def _int8_tensor(model, graph, name: str, shape, scale: float, zero_point: int, data=None) -> int:
+    """Add an int8 tensor (a constant when ``data`` is given) to ``graph``; its index."""
+    import numpy as np
+
+    s = schema()
+    t = s.TensorT()
+    t.name, t.type, t.shape = name.encode(), s.TensorType.INT8, np.asarray(shape, np.int32)
+    t.quantization = s.QuantizationParametersT()
+    t.quantization.scale, t.quantization.zeroPoint = [float(scale)], [int(zero_point)]
+    buffer = s.BufferT()
+    if data is not None:
+        buffer.data = np.asarray(data, np.int8).view(np.uint8).reshape(-1)
+    model.buffers.append(buffer)
+    t.buffer = len(model.buffers) - 1
+    graph.tensors.append(t)
+    return len(graph.tensors) - 1
+
+
+def _int8_op(model, builtin: int, options, inputs: list[int], output: int):
+    """An int8 ADD or MUL operator (version 2) with these options."""
+    import numpy as np
+
+    s = schema()
+    op = s.OperatorT()
+    op.opcodeIndex = _opcode(model, s, builtin, 2)
+    op.inputs, op.outputs = np.asarray(inputs, np.int32), np.asarray([output], np.int32)
+    kind = "AddOptions" if builtin == s.BuiltinOperator.ADD else "MulOptions"
+    op.builtinOptionsType, op.builtinOptions = getattr(s.BuiltinOptions, kind), options
+    return op
+
+
+def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
+    """Write each int8 HARD_SWISH as ADD(x, 3) with RELU6, MUL by x, MUL by 1/6.
+
+    The converter fuses hard-swish (MobileNetV3, EfficientNet-Lite's kin) into HARD_SWISH,
+    which this LiteRT's XNNPACK has no int8 kernel for: a MobileNetV3Small then runs in 20
+    delegate partitions, 1.6x slower than as ADD/MUL, all in one. The three ops compute the
+    same function: relu6(x + 3) gets the range [0, min(6, max x + 3)], x * relu6(x + 3) the
+    output's grid times 6 (so dividing by 6 lands on the output's codes), and the constants 3
+    and 1/6 are exact at their own scales. Returns the new flatbuffer and how many were unfused.
+    """
+    import flatbuffers
+
+    s = schema()
+    model = s.ModelT.InitFromPackedBuf(content, 0)
+    swish, int8 = s.BuiltinOperator.HARD_SWISH, s.TensorType.INT8
+    unfused = 0
+    for graph in model.subgraphs or []:
+        ops = []
+        for op in graph.operators or []:
+            x_index, y_index = (int(op.inputs[0]), int(op.outputs[0])) if len(op.inputs) == 1 else (-1, -1)
+            x, y = graph.tensors[x_index], graph.tensors[y_index]
+            if _builtin(model, op) != swish or x.type != int8 or y.type != int8:
+                ops.append(op)
+                continue
+
+            name = (y.name or b"hard_swish").decode()
+            sx, zx = float(x.quantization.scale[0]), int(x.quantization.zeroPoint[0])
+            sy, zy = float(y.quantization.scale[0]), int(y.quantization.zeroPoint[0])
+            high = min(6.0, sx * (127 - zx) + 3.0)
+            three = _int8_tensor(model, graph, f"{name}/three", [], 3.0 / 127, 0, [127])
+            gate = _int8_tensor(model, graph, f"{name}/relu6", x.shape, (high if high > 0 else 6.0) / 255, -128)
+            product = _int8_tensor(model, graph, f"{name}/times6", x.shape, 6.0 * sy, zy)
+            sixth = _int8_tensor(model, graph, f"{name}/sixth", [], 1.0 / 6 / 127, 0, [127])
+            add = s.AddOptionsT()
+            add.fusedActivationFunction = s.ActivationFunctionType.RELU6
+            ops.append(_int8_op(model, s.BuiltinOperator.ADD, add, [x_index, three], gate))
+            ops.append(_int8_op(model, s.BuiltinOperator.MUL, s.MulOptionsT(), [x_index, gate], product))
+            ops.append(_int8_op(model, s.BuiltinOperator.MUL, s.MulOptionsT(), [product, sixth], y_index))
+            unfused += 1
+        graph.operators = ops
+    if not unfused:
+        return content, 0
+    builder = flatbuffers.Builder(len(content) + 4096)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output()), unfused

@@ -68,6 +68,30 @@ def quantize_calibrated(calibrated: bytes, per_tensor: bool, denylisted_nodes: l
         )
 
 
+@contextlib.contextmanager
+def calibration_replaced(replace):
+    """While open, every TFLite converter calibration returns ``replace(run)`` instead of its own.
+
+    ``run()`` performs the converter's calibration and returns the calibrated (float, min/max
+    recorded) flatbuffer; ``replace`` returns the calibrated flatbuffer the converter goes on
+    with, so what follows (quantization, integer I/O, the debugger's NumericVerify model) is
+    the converter's own. ``Calibrator.calibrate`` is private; it is where both
+    ``TFLiteConverter.convert`` and ``QuantizationDebugger`` calibrate.
+    """
+    from tensorflow.lite.python.optimize import calibrator
+
+    original = calibrator.Calibrator.calibrate
+
+    def calibrate(self, dataset_gen):
+        return replace(lambda: original(self, dataset_gen))
+
+    calibrator.Calibrator.calibrate = calibrate
+    try:
+        yield
+    finally:
+        calibrator.Calibrator.calibrate = original
+
+
 def tensor_ranges(calibrated: bytes) -> dict[int, tuple[float, float]]:
     """The calibration min/max that a calibrated (not yet quantized) flatbuffer records, by tensor index.
 
