@@ -212,7 +212,10 @@ def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
     delegate partitions, 1.6x slower than as ADD/MUL, all in one. The three ops compute the
     same function: relu6(x + 3) gets the range [0, min(6, max x + 3)], x * relu6(x + 3) the
     output's grid times 6 (so dividing by 6 lands on the output's codes), and the constants 3
-    and 1/6 are exact at their own scales. Returns the new flatbuffer and how many were unfused.
+    and 1/6 are exact at their own scales. The two roundings cost up to about one more output
+    step than HARD_SWISH's one. Where x's range is too wide for XNNPACK's ADD (its step 128 gate
+    steps or more) nothing is gained, and HARD_SWISH stays. Returns the new flatbuffer and how
+    many were unfused.
     """
     import flatbuffers
 
@@ -233,8 +236,16 @@ def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
             sx, zx = float(x.quantization.scale[0]), int(x.quantization.zeroPoint[0])
             sy, zy = float(y.quantization.scale[0]), int(y.quantization.zeroPoint[0])
             high = min(6.0, sx * (127 - zx) + 3.0)
+            gate_scale = (high if high > 0 else 6.0) / 255
+            if sx / gate_scale >= 128:
+                # XNNPACK takes an int8 ADD only while an input's scale is under 256 output steps,
+                # and LiteRT's optimized ADD holds x + 3 in 16 bits before clamping (at 32767 gate
+                # steps it wraps: x = 795 at a 0.024 step gave relu6 = 0). A range this wide gains
+                # no partition and loses precision: HARD_SWISH stays.
+                ops.append(op)
+                continue
             three = _int8_tensor(model, graph, f"{name}/three", [], 3.0 / 127, 0, [127])
-            gate = _int8_tensor(model, graph, f"{name}/relu6", x.shape, (high if high > 0 else 6.0) / 255, -128)
+            gate = _int8_tensor(model, graph, f"{name}/relu6", x.shape, gate_scale, -128)
             product = _int8_tensor(model, graph, f"{name}/times6", x.shape, 6.0 * sy, zy)
             sixth = _int8_tensor(model, graph, f"{name}/sixth", [], 1.0 / 6 / 127, 0, [127])
             add = s.AddOptionsT()
