@@ -413,13 +413,11 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             f"model): fix them for your camera with --input-shape {example}"
         )
     single_io = len(shapes) == 1 and len(keras_model.outputs) == 1
-    if (equalize or plan or bias_correct or options.ptq not in ("auto", "converter") or options.weight_bits != 8) and (
-        not single_io
-    ):
+    if (equalize or plan or bias_correct) and not single_io:
         raise UsageError(
             f"{source_name} has {len(shapes)} input(s) and {len(keras_model.outputs)} output(s): --equalize, "
-            "--bias-correct, --plan, --ptq METHOD and --weight-bits 4 take one-input one-output models; convert it "
-            "with --ptq auto|converter (the converter's ranges) and 8-bit weights"
+            "--bias-correct and --plan take one-input one-output models; convert it without them "
+            "(--ptq METHOD, --rounding and --weight-bits take any model)"
         )
     if equalize or plan or bias_correct:  # graph transforms work on tf_keras: a Keras 3 model is translated
         keras_model = as_tf_keras(keras_model)
@@ -447,9 +445,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     if dataset is not None and dataset.count("train") == 0:
         raise DataError(f"calibration data {data_spec!r} is empty")
 
-    searching = spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter" and single_io
-    if spec.calibrate and not is_qat and not single_io and options.ptq == "auto":
-        notes.append("--ptq auto: the converter's ranges (edgeq's range methods take one-input one-output models)")
+    searching = spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter"
     outputs = output_specs(reference_model, options.task, source_path, dataset)
     if dataset is not None:
         for warning in concatenated_outputs(reference_model, dataset.calibration_samples(min(calib_samples, 64))):
@@ -698,6 +694,7 @@ def _convert_searching_ranges(
     """
     import contextlib
 
+    from edgeq.model_io import keras_outputs
     from edgeq.quantize.calibration import ActivationRanges
     from edgeq.quantize.passes import with_weight_codes
 
@@ -710,7 +707,7 @@ def _convert_searching_ranges(
         methods = tuple(m for m in methods if m != "converter")
     model = weights.model if weights is not None else keras_model
     x_check, split = held.x_select, held.split
-    reference = reference_model.predict(x_check, batch_size=64, verbose=0)
+    reference = keras_outputs(reference_model, x_check)  # by output name
     ranges = ActivationRanges(dataset.calibration_samples(options.calib_samples))
     candidates, best, stopped_at = [], None, None
     for method in methods:
@@ -720,8 +717,9 @@ def _convert_searching_ranges(
                 flatbuffer, _ = _convert_tflite(model, spec, dataset, options, False)
             if weights is not None:
                 flatbuffer = with_weight_codes(flatbuffer, weights.kernels)
-            got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict(x_check, batch_size=1)
-            cmp = compare_outputs(reference, got)
+            got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict_outputs(x_check)
+            # several outputs (a detector's heads): the worst one decides, as in verification
+            cmp = min((compare_outputs(reference[n], got[n]) for n in reference), key=lambda c: c.sqnr_db)
         except (UsageError, DataError):
             raise
         except Exception as exc:  # one candidate failing must not hide the others
@@ -939,18 +937,18 @@ def _check_wide_plan(keras_model, plan, options: ConvertOptions) -> list[str]:
     return wide
 
 
-def _convert_mixed(keras_model, plan, wide: list[str], dataset, samples, notes) -> bytes:
+def _convert_mixed(keras_model, plan, wide: list[str], dataset, samples, ranges, notes) -> bytes:
     """Integer-only: the plan's layers at 16-bit activations (16x8), every other one int8."""
     from edgeq.quantize.mixed import calibrate_mixed, wide_layers
 
-    cal = calibrate_mixed(keras_model, dataset.calibration_samples(samples))
+    cal = calibrate_mixed(keras_model, dataset.calibration_samples(samples), ranges=ranges)
     flatbuffer = cal.quantize(wide)
     got = wide_layers(flatbuffer, cal.layer_names)
     ops = sum(len(v) for v in got.values())
     total = len(verify_tflite(flatbuffer, "the mixed model").main.operators)
     notes.append(
         f"plan {plan}: {len(got)} layer(s) at 16-bit activations ({', '.join(got) or 'none'}; {ops} of {total} ops, "
-        "QUANTIZE ops between int8 and int16), every other one int8, by LiteRT Quantizer"
+        f"QUANTIZE ops between int8 and int16), every other one int8, by LiteRT Quantizer, {ranges} activation ranges"
     )
     return flatbuffer
 
@@ -963,7 +961,7 @@ def _convert_with_plan(keras_model, plan, dataset, samples, granularity, ranges,
     wide = _plan_wide_layers(keras_model, plan, resolved)
     if wide or (integer_only and not any(p.keep_float or p.weight_bits != 8 for p in resolved.values())):
         # 16-bit layers, or an int16 plan whose budget full int8 met: the model the plan measured
-        return _convert_mixed(keras_model, plan, wide, dataset, samples, notes)
+        return _convert_mixed(keras_model, plan, wide, dataset, samples, ranges, notes)
     float_layers = [name for name, p in resolved.items() if p.keep_float]
     int4_layers = [name for name, p in resolved.items() if not p.keep_float and p.weight_bits == 4]
     if int4_layers:

@@ -424,3 +424,16 @@ def test_int16_plan_builds_an_integer_only_model_with_exactly_those_layers_at_16
         "--int8-only",
     )
     assert not list(tmp_path.glob("tpu*")) and not list(tmp_path.glob("f.*"))
+    # --ptq METHOD reaches the mixed model too (it was converted with min/max ranges whatever was asked)
+    clipped = tmp_path / "mixed_p.tflite"
+    args = ("--int8-only", "--plan", plan, "--calib", "digits", "--ptq", "percentile", "--out", clipped)
+    assert cli("convert", outlier_model, *args).exit_code == 0
+    notes = json.loads((tmp_path / "mixed_p.manifest.json").read_text())["notes"]
+    assert any("percentile activation ranges" in n for n in notes), notes
+
+    def scales(path):
+        graph = read_tflite(path).main
+        return [graph.tensors[t].scale[0] for op in graph.operators for t in op.outputs if graph.tensors[t].scale]
+
+    minmax, percentile = scales(out), scales(clipped)
+    assert len(minmax) == len(percentile) and any(p < 0.99 * m for m, p in zip(minmax, percentile))

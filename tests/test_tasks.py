@@ -101,6 +101,27 @@ def test_a_three_output_keras3_model_converts_in_every_mode_each_output_verified
         assert {o["dtype"] for o in manifest["outputs"]} == {"int8"}  # every output tensor, not the first
 
 
+def test_edgeqs_range_methods_and_weight_rounding_take_a_three_output_model(cli, face, tmp_path):
+    """--ptq auto scores every candidate by its worst output (as verification gates), and an
+    edgeq method with chosen weight rounding converts the Keras 3 three-head model too."""
+    data = f"npz:{face / 'faces.npz'}"
+    out = tmp_path / "auto.tflite"
+    result = cli("convert", face / "onet.keras", "--int8-only", "--calib", data, "--ptq-target", "200", "--out", out)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(out.with_name("auto.manifest.json").read_text())
+    candidates = manifest["ptq"]["candidates"]
+    assert [c["method"] for c in candidates] == ["converter", "minmax", "percentile", "mse", "entropy"]
+    assert manifest["ptq"]["chosen"] == max(candidates, key=lambda c: c["sqnr_db"])["method"]
+    out = tmp_path / "rounded.tflite"
+    args = ("--int8-only", "--calib", data, "--ptq", "percentile", "--rounding", "stochastic", "--seed", "1")
+    result = cli("convert", face / "onet.keras", *args, "--out", out)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(out.with_name("rounded.manifest.json").read_text())
+    assert manifest["ptq"]["chosen"] == "percentile" and manifest["ptq"]["rounding"]["method"] == "stochastic"
+    assert len(manifest["ptq"]["rounding"]["layers"]) == 5  # conv, fc and the three heads
+    assert all(o["passed"] for o in manifest["verification"]["outputs"]) and manifest["verification"]["integer_only"]
+
+
 def test_outputs_the_converter_reorders_are_matched_by_name(tmp_path):
     """tf_keras model with three heads of one shape: the .tflite lists its output tensors in another
     order than the model (checked), yet each is read and verified as the Keras output of its name

@@ -155,15 +155,6 @@ def _auto_from(every: dict, target: float = 10.0) -> dict:
     }
 
 
-def _simulated(c: dict) -> dict:
-    """A candidate of auto's scored in the fake-quant model (measured in LiteRT when auto converted it)."""
-    if "sqnr_db" in c:
-        return c
-    if "simulated_sqnr_db" in c:
-        return {"sqnr_db": c["simulated_sqnr_db"], "agreement": c["simulated_agreement"], "simulated": True}
-    return {}
-
-
 def adaround_at_224() -> dict:
     """`--rounding adaround` on MobileNetV2 1.0 at 224x224 (the issue's time target), vs one bare conversion."""
     from edgeq.compat import keras
@@ -204,12 +195,11 @@ def measure() -> list[dict]:
             row["converter"] = _convert(path, data, out, ptq="converter")
             row["best"] = best = _convert(path, data, out, ptq="auto", ptq_target_db=1000.0)  # scores them all
             row["auto"] = _auto_from(best)  # what the default (stop at 10 dB) gives
-            picked = None
             for c in (best.get("ptq") or {}).get("candidates", []):
                 if c["method"] in ACTIVATION_METHODS:
-                    row[c["method"]] = _simulated(c)
-                    picked = c["method"] if "sqnr_db" in c else picked
-            method = picked or "mse"  # the one auto converted: its nearest-rounding result is measured
+                    row[c["method"]] = c  # every candidate is a conversion measured in LiteRT
+            chosen = (best.get("ptq") or {}).get("chosen")
+            method = chosen if chosen in ACTIVATION_METHODS else "mse"  # its nearest-rounding result is measured
             row["rounded_by"] = method
             row["nearest"] = row.get(method, {})
             for rounding in ("stochastic", "adaround"):
@@ -367,7 +357,7 @@ def _trained_table(rows: list[dict]) -> list[str]:
         f"Each architecture trained from scratch at 32x32 on the photo task below ({TRAINED_EPOCHS} FP32 epochs, "
         "Adam, BN statistics re-estimated from 512 training samples after), then converted with 64 calibration "
         "samples. Cells: SQNR dB / top-1 agreement against FP32 on the val split, and int8 accuracy on the test "
-        "split. `auto, all` scores every range candidate (`--ptq-target 1000`) and converts the best simulated; "
+        "split. `auto, all` converts every range candidate (`--ptq-target 1000`) and keeps the best; "
         "AdaRound rounds the weights with those same ranges, so `nearest` is that same conversion with nearest "
         "rounding. The photos are 8-bit pixels, so the int8 input holds them exactly: no input-only ceiling here.",
         "",
@@ -412,7 +402,7 @@ def _trained_table(rows: list[dict]) -> list[str]:
 def _cell(r: dict, seconds=False) -> str:
     if "sqnr_db" not in r:
         return "failed" if r else "-"
-    text = f"{r['sqnr_db']:.1f} / {r['agreement']:.0%}" + (" (sim.)" if r.get("simulated") else "")
+    text = f"{r['sqnr_db']:.1f} / {r['agreement']:.0%}"
     return text + (f" / {r['seconds']:.0f}s" if seconds else "")
 
 
@@ -429,9 +419,10 @@ def run() -> str:
         f"({SIZE}x{SIZE} keras.applications models with logit outputs: random weights, BN statistics set from "
         "one batch of synthetic data; MobileNetV3Small without its Rescaling, EfficientNetB0 given 0..255 pixels; "
         "digits-cnn: trained on real digits). Cells: SQNR dB / top-1 agreement. minmax, percentile, mse and "
-        "entropy are `auto`'s candidates as its manifest records them: scored in the fake-quant model (sim.), "
-        "and the best of them converted and measured in LiteRT. `auto, all` is `--ptq-target 1000`, which always "
-        "scores edgeq's candidates; the default `auto` keeps the converter's ranges when they reach 10 dB, and is "
+        "entropy are `auto`'s candidates as its manifest records them, each a conversion measured in LiteRT "
+        "(the converter's calibration with every min/max re-chosen by the method). `auto, all` is `--ptq-target "
+        "1000`, which converts every candidate; the default `auto` keeps the converter's ranges when they reach "
+        "10 dB, and is "
         "read off the same run. Times are whole `edgeq convert` runs (loading and verification included) over one "
         "bare `TFLiteConverter` int8-only conversion of the same model and 64 samples.",
         "",
@@ -499,7 +490,7 @@ def run() -> str:
             )
     lines += [
         "",
-        "### Weight rounding (`--rounding`), with the range method that `auto, all` converted (its best simulated)",
+        "### Weight rounding (`--rounding`), with the range method that `auto, all` chose",
         "",
         "| model | ranges | nearest | stochastic (seed 0) | adaround | adaround time |",
         "|---|---|---|---|---|---|",

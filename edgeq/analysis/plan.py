@@ -161,10 +161,9 @@ def make_plan(
     start = time.perf_counter()
     if fallback not in FALLBACKS:
         raise UsageError(f"--fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
-    if fallback == "int16" and (int4 or per_tensor or ranges != "minmax"):
+    if fallback == "int16" and (int4 or per_tensor):
         raise UsageError(
-            "--fallback int16 plans LiteRT Quantizer's per-channel min/max models: drop --int4, "
-            "--granularity per-tensor and --ranges"
+            "--fallback int16 plans LiteRT Quantizer's per-channel models: drop --int4 and --granularity per-tensor"
         )
     model, dataset = load_fp32_with_data(model_path, data, "plan from")
     x, _ = dataset.split(split)
@@ -174,7 +173,7 @@ def make_plan(
     if fallback == "int16":
         from edgeq.quantize.mixed import calibrate_mixed
 
-        cal = calibrate_mixed(model, dataset.calibration_samples(samples))
+        cal = calibrate_mixed(model, dataset.calibration_samples(samples), ranges=ranges)
         reference = predict(cal.float_model, x)
         fp32_acc = quality.value(reference)
 
