@@ -648,7 +648,8 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
     """One range engine: ``analyze --ranges M`` and ``convert --ptq M`` both quantize the
     converter's calibration with every min/max re-chosen by M (ActivationRanges), so every
     int8 tensor of the two models has the same scale and zero point (from the CLI also on
-    keras.applications MobileNetV2 and a Keras 3 MobileNetV3Small: no scale differs)."""
+    keras.applications MobileNetV2 and a Keras 3 MobileNetV3Small: no scale differs). An int16
+    plan's mixed model observes the same tensors with the same observers for LiteRT Quantizer."""
     from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
@@ -687,6 +688,21 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
 
     a, c = sorted(activations(analyzed)), sorted(activations(converted))  # the two list the ops in other orders
     assert a == c
+    # An int16 plan's model (LiteRT Quantizer, int8 I/O) with no layer widened has the same ranges
+    # where its graph is the converter's: not here, where LiteRT Quantizer gives a concatenation's
+    # inputs their own scales (the converter gives them the output's) and keeps the Flatten's
+    # RESHAPE; so a chain without either (as MobileNetV2, where all 64 scales match from the CLI).
+    from edgeq.quantize.mixed import calibrate_mixed
+
+    h = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(8, 3, use_bias=False)(inp)))
+    h = layers.DepthwiseConv2D(3, padding="same", activation="relu")(h)
+    chain = keras.Model(inp, layers.Dense(5)(layers.GlobalAveragePooling2D()(layers.Conv2D(6, 1)(h))))
+    chain(samples.astype(np.float32), training=True)
+    mixed = tmp_path / "mixed.tflite"
+    mixed.write_bytes(calibrate_mixed(chain, dataset.calibration_samples(48), ranges=method).quantize([]))
+    integer = tmp_path / "integer.tflite"
+    convert(chain, integer, ConvertOptions(**{**options.__dict__, "mode": "int8-only"}))
+    assert sorted(activations(mixed)) == sorted(activations(integer))
     minmax = tmp_path / "minmax.tflite"  # and M is not min/max by another name: some range is clipped
     minmax.write_bytes(calibrate(model, dataset, 48).quantize())
     narrower = [op for (op, s_m, _), (_, s_a, _) in zip(sorted(activations(minmax)), a) if s_a < 0.99 * s_m]
