@@ -378,7 +378,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     Returns the written model's description; raises ConversionError (IntegerOnlyError
     for float ops in an integer-only model) and leaves nothing on disk when it fails.
     """
-    from edgeq.model_io import as_tf_keras, concatenated_outputs, input_shapes, output_specs, with_input_shape
+    from edgeq.model_io import as_tf_keras, concatenated_outputs, output_specs, with_input_shape
     from edgeq.training.schemes import is_qat_model
 
     options = options or ConvertOptions()
@@ -396,29 +396,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     notes: list[str] = []
     if is_qat:
         keras_model, is_qat = _sixteen_bit_qat(keras_model, source_path, spec, notes)
-    if options.weight_bits != 8 and is_qat:
-        raise UsageError(f"{source_name} is a QAT model: its weight bits are the ones it trained with (--weight-bits)")
-    if (equalize or plan or bias_correct) and is_qat:
-        raise UsageError(
-            f"{source_name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
-        )
-    shapes = input_shapes(keras_model)
-    free = {name: shape for name, shape in shapes.items() if any(d is None for d in shape)}
-    if free:
-        name, shape = next(iter(free.items()))
-        example = "x".join(str(d if d is not None else 224) for d in shape)
-        example = example if len(shapes) == 1 else f"{name}={example}"
-        raise ConversionError(
-            f"{source_name}: input {name!r} has shape {tuple(shape)}, with free dimensions (a fully convolutional "
-            f"model): fix them for your camera with --input-shape {example}"
-        )
-    single_io = len(shapes) == 1 and len(keras_model.outputs) == 1
-    if (equalize or plan or bias_correct) and not single_io:
-        raise UsageError(
-            f"{source_name} has {len(shapes)} input(s) and {len(keras_model.outputs)} output(s): --equalize, "
-            "--bias-correct and --plan take one-input one-output models; convert it without them "
-            "(--ptq METHOD, --rounding and --weight-bits take any model)"
-        )
+    shapes, single_io = _checked_source(keras_model, source_name, is_qat, options)
     if equalize or plan or bias_correct:  # graph transforms work on tf_keras: a Keras 3 model is translated
         keras_model = as_tf_keras(keras_model)
     input_shape = next(iter(shapes.values())) if len(shapes) == 1 else shapes
@@ -433,17 +411,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     if hint:
         notes.append(hint)
     keras_model = _pretransformed(keras_model, dataset, options, notes)
-    if spec.calibrate and dataset is None:
-        if is_qat:
-            raise UsageError(
-                f"{source_name}: no data to verify the conversion: give --calib SRC (any samples of the input)"
-            )
-        raise UsageError(
-            f"{source_name}: {spec.mode.value} post-training quantization needs a representative dataset: "
-            "--calib SRC (e.g. --calib digits or --calib npz:calib.npz)"
-        )
-    if dataset is not None and dataset.count("train") == 0:
-        raise DataError(f"calibration data {data_spec!r} is empty")
+    _check_data(spec, dataset, data_spec, is_qat, source_name)
 
     searching = spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter"
     outputs = output_specs(reference_model, options.task, source_path, dataset)
@@ -471,7 +439,6 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes,
         {"source_path": source_path, "is_qat": is_qat, "ptq": ptq_record, "seconds": seconds, "model": keras_model},
     )  # fmt: skip
-    op_counts = manifest["ops"]
     _commit(out, flatbuffer, manifest, notes, options.edgetpu)
     return ConversionResult(
         path=out,
@@ -483,12 +450,59 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         input=manifest["input"],
         output=manifest["output"],
         outputs=tuple(manifest["outputs"]),
-        ops=op_counts,
+        ops=manifest["ops"],
         verification=verification,
         source_is_qat=is_qat,
         notes=tuple(notes),
         edgetpu=manifest.get("edgetpu"),
     )
+
+
+def _checked_source(keras_model, source_name: str, is_qat: bool, options: ConvertOptions) -> tuple[dict, bool]:
+    """The model's input shapes and whether it has one input and one output; refuses what
+    these options cannot do with this model (a QAT model's bits, free input dimensions...)."""
+    from edgeq.model_io import input_shapes
+
+    transforms = options.equalize or options.plan or options.bias_correct
+    if options.weight_bits != 8 and is_qat:
+        raise UsageError(f"{source_name} is a QAT model: its weight bits are the ones it trained with (--weight-bits)")
+    if transforms and is_qat:
+        raise UsageError(
+            f"{source_name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
+        )
+    shapes = input_shapes(keras_model)
+    free = {name: shape for name, shape in shapes.items() if any(d is None for d in shape)}
+    if free:
+        name, shape = next(iter(free.items()))
+        example = "x".join(str(d if d is not None else 224) for d in shape)
+        example = example if len(shapes) == 1 else f"{name}={example}"
+        raise ConversionError(
+            f"{source_name}: input {name!r} has shape {tuple(shape)}, with free dimensions (a fully convolutional "
+            f"model): fix them for your camera with --input-shape {example}"
+        )
+    single_io = len(shapes) == 1 and len(keras_model.outputs) == 1
+    if transforms and not single_io:
+        raise UsageError(
+            f"{source_name} has {len(shapes)} input(s) and {len(keras_model.outputs)} output(s): --equalize, "
+            "--bias-correct and --plan take one-input one-output models; convert it without them "
+            "(--ptq METHOD, --rounding and --weight-bits take any model)"
+        )
+    return shapes, single_io
+
+
+def _check_data(spec: ModeSpec, dataset, data_spec, is_qat: bool, source_name: str) -> None:
+    """Calibrating modes need samples, and a QAT model needs some to be verified on."""
+    if spec.calibrate and dataset is None:
+        if is_qat:
+            raise UsageError(
+                f"{source_name}: no data to verify the conversion: give --calib SRC (any samples of the input)"
+            )
+        raise UsageError(
+            f"{source_name}: {spec.mode.value} post-training quantization needs a representative dataset: "
+            "--calib SRC (e.g. --calib digits or --calib npz:calib.npz)"
+        )
+    if dataset is not None and dataset.count("train") == 0:
+        raise DataError(f"calibration data {data_spec!r} is empty")
 
 
 def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes, run) -> dict:
@@ -1082,12 +1096,9 @@ def _min_sqnr(spec: ModeSpec, value, names: list[str]) -> dict[str, float]:
     return thresholds
 
 
-def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db, outputs) -> Verification:
-    """The converted model against the source, output by output (matched by name, never position)."""
-    from edgeq.model_io import input_names, keras_outputs
-    from edgeq.tasks import compare
-
-    names = [o.name for o in outputs]
+def _check_contract(tflite, spec: ModeSpec, io_type: str, source_name: str, names: list[str]) -> tuple[str, ...]:
+    """What the mode promised before any number is compared: every output by its Keras name, the
+    I/O dtypes, and no float op in an integer-only model. Returns the ops still in float."""
     missing = [n for n in names if n not in tflite.output_names]
     if missing:
         raise ConversionError(
@@ -1118,6 +1129,16 @@ def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, mi
             f"{source_name}: not integer-only: {len(floats)} op(s) still run in float: {', '.join(floats[:12])}"
             f"{' ...' if len(floats) > 12 else ''}; replace those ops or convert with --int8 (float fallback)"
         )
+    return tuple(floats)
+
+
+def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db, outputs) -> Verification:
+    """The converted model against the source, output by output (matched by name, never position)."""
+    from edgeq.model_io import input_names, keras_outputs
+    from edgeq.tasks import compare
+
+    names = [o.name for o in outputs]
+    floats = _check_contract(tflite, spec, io_type, source_name, names)
     classes = None
     if held is not None:
         x, classes = held.x, held.classes

@@ -219,33 +219,11 @@ def make_plan(
             model, dataset, samples, per_tensor, ranges, ranked, best, x, quality, fp32_acc, frontier, max_drop_pp
         )
     out = Path(out)
-    write_json_atomic(
-        out,
-        {
-            "kind": "edgeq.plan",
-            "model": str(model_path),
-            "data": f"{data} ({split})",
-            "max_drop_pp": max_drop_pp,
-            "met": bool(meeting),
-            "fallback": fallback,
-            # no labels: every accuracy here is top-1 agreement with the FP32 model's own answers
-            "label_free": quality.label_free,
-            "fp32_accuracy": fp32_acc,
-            "int8_accuracy": int8_acc,
-            "accuracy": best.accuracy,
-            "drop_pp": best.drop_pp,
-            "size_bytes": best.size_bytes,
-            "granularity": "per-tensor" if per_tensor else "per-channel",
-            "ranges": ranges,
-            "layers": {
-                **{name: "float" for name in best.float_layers},
-                **{name: {"weight_bits": 4} for name in best.int4_layers},
-                **{name: {"activation_bits": 16} for name in best.wide_layers},
-            },
-            "ranking": ranking,
-            "frontier": [asdict(p) for p in frontier],
-        },
-    )
+    record = _plan_record(
+        model_path, f"{data} ({split})", max_drop_pp, fallback, quality, (fp32_acc, int8_acc), best, bool(meeting),
+        per_tensor, ranges, ranking, frontier,
+    )  # fmt: skip
+    write_json_atomic(out, record)
     return PlanResult(
         out,
         bool(meeting),
@@ -260,6 +238,40 @@ def make_plan(
         fallback,
         quality.label_free,
     )
+
+
+def _plan_record(
+    model_path, data: str, max_drop_pp, fallback, quality, accuracies, best, met: bool, per_tensor, ranges, ranking,
+    frontier,
+) -> dict:  # fmt: skip
+    """plan.json: the budget, whether it was met, each layer's chosen precision, the frontier tried.
+
+    ``accuracies``: (FP32, full INT8) on the split the plan measured.
+    """
+    return {
+        "kind": "edgeq.plan",
+        "model": str(model_path),
+        "data": data,
+        "max_drop_pp": max_drop_pp,
+        "met": met,
+        "fallback": fallback,
+        # no labels: every accuracy here is top-1 agreement with the FP32 model's own answers
+        "label_free": quality.label_free,
+        "fp32_accuracy": accuracies[0],
+        "int8_accuracy": accuracies[1],
+        "accuracy": best.accuracy,
+        "drop_pp": best.drop_pp,
+        "size_bytes": best.size_bytes,
+        "granularity": "per-tensor" if per_tensor else "per-channel",
+        "ranges": ranges,
+        "layers": {
+            **{name: "float" for name in best.float_layers},
+            **{name: {"weight_bits": 4} for name in best.int4_layers},
+            **{name: {"activation_bits": 16} for name in best.wide_layers},
+        },
+        "ranking": ranking,
+        "frontier": [asdict(p) for p in frontier],
+    }
 
 
 def _int4_layers(

@@ -105,32 +105,7 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
             size_ratio=d.get("size_ratio"),
             data=d.get("data"),
         )
-        budget = _num(d.get("max_drop_pp"))
-        outputs = d.get("outputs") or []
-        if d.get("detection"):
-            checks.append(_detection_check(d, budget))
-        elif len(outputs) > 1 or (outputs and outputs[0].get("primary") != "accuracy"):
-            checks += _output_checks(d, budget)
-        elif d.get("drop_pp") is None:
-            checks.append(Check(None, f"{_name(d['model'])}: no labels, outputs compared only ({d.get('data')})"))
-        elif budget is not None:
-            ok = bool(d.get("passed"))
-            checks.append(
-                Check(
-                    ok,
-                    f"{_name(d['model'])}: accuracy drop {d['drop_pp']:+.2f} pp "
-                    f"{'within' if ok else 'exceeds'} the {budget:g} pp budget "
-                    f"(FP32 {d['reference_accuracy']:.2%}, quantized {d['accuracy']:.2%}, {d.get('data')})",
-                )
-            )
-        else:
-            checks.append(
-                Check(
-                    None,
-                    f"{_name(d['model'])}: accuracy drop {d['drop_pp']:+.2f} pp (no budget given: "
-                    "edgeq eval --max-drop PP sets one)",
-                )
-            )
+        checks += _eval_checks(d)
     for doc in sources.of("manifest"):
         d = doc.data
         r = row(_name(d["model"]))
@@ -185,6 +160,35 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
         )
     ordered = sorted(rows.values(), key=lambda r: (not r.get("reference"), r["model"]))
     return [{**dict.fromkeys(MODEL_FIELDS), **r} for r in ordered], checks
+
+
+def _eval_checks(d: dict) -> list[Check]:
+    """What an eval record says about its model: detection mAP, each output, or the accuracy drop."""
+    budget = _num(d.get("max_drop_pp"))
+    outputs = d.get("outputs") or []
+    if d.get("detection"):
+        return [_detection_check(d, budget)]
+    if len(outputs) > 1 or (outputs and outputs[0].get("primary") != "accuracy"):
+        return _output_checks(d, budget)
+    if d.get("drop_pp") is None:
+        return [Check(None, f"{_name(d['model'])}: no labels, outputs compared only ({d.get('data')})")]
+    if budget is not None:
+        ok = bool(d.get("passed"))
+        return [
+            Check(
+                ok,
+                f"{_name(d['model'])}: accuracy drop {d['drop_pp']:+.2f} pp "
+                f"{'within' if ok else 'exceeds'} the {budget:g} pp budget "
+                f"(FP32 {d['reference_accuracy']:.2%}, quantized {d['accuracy']:.2%}, {d.get('data')})",
+            )
+        ]
+    return [
+        Check(
+            None,
+            f"{_name(d['model'])}: accuracy drop {d['drop_pp']:+.2f} pp (no budget given: "
+            "edgeq eval --max-drop PP sets one)",
+        )
+    ]
 
 
 def _detection_check(d: dict, budget: float | None) -> Check:

@@ -789,23 +789,7 @@ def profile_model(
     if outputs is not None and ref_outputs is not None:
         agreement = _agreement(specs, outputs, ref_outputs, compare)
 
-    comparison: list[Comparison] = []
-    if reference is not None:
-        drop = None
-        if main.accuracy and reference.accuracy and main.accuracy.labelled and main.accuracy.accuracy is not None:
-            drop = round(reference.accuracy.accuracy - main.accuracy.accuracy, 6)
-        for mine, theirs in zip(main.runs, reference.runs):
-            comparison.append(
-                Comparison(
-                    threads=mine.threads,
-                    speedup=round(theirs.latency.median_ms / mine.latency.median_ms, 4),
-                    size_ratio=round(main.model.size_bytes / reference.model.size_bytes, 4),
-                    accuracy_drop=drop,
-                    top1_agreement=agreement.top1_agreement if agreement else None,
-                    max_abs_error=agreement.max_abs_error if agreement else None,
-                )
-            )
-
+    comparison = _comparison(main, reference, agreement) if reference is not None else []
     after = thermal_state()
     backend, version = _backend_of(runtime)
     return ProfileReport(
@@ -828,6 +812,24 @@ def profile_model(
         data=dataset.info if dataset is not None else None,
         thermal=Thermal(before, after, throttled_between(before, after)),
     )
+
+
+def _comparison(main, reference, agreement) -> list[Comparison]:
+    """The model against its reference at each thread count: speedup, size ratio, accuracy drop."""
+    drop = None
+    if main.accuracy and reference.accuracy and main.accuracy.labelled and main.accuracy.accuracy is not None:
+        drop = round(reference.accuracy.accuracy - main.accuracy.accuracy, 6)
+    return [
+        Comparison(
+            threads=mine.threads,
+            speedup=round(theirs.latency.median_ms / mine.latency.median_ms, 4),
+            size_ratio=round(main.model.size_bytes / reference.model.size_bytes, 4),
+            accuracy_drop=drop,
+            top1_agreement=agreement.top1_agreement if agreement else None,
+            max_abs_error=agreement.max_abs_error if agreement else None,
+        )
+        for mine, theirs in zip(main.runs, reference.runs)
+    ]
 
 
 def _agreement(specs: list[OutputSpec], outputs: dict, ref_outputs: dict, reference) -> Agreement:

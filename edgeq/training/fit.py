@@ -626,6 +626,152 @@ def _judge_stage(stage_model, stage, judged, objs, by_keras: bool, labelled: boo
     )  # fmt: skip
 
 
+def _float_model_for_qat(float_model, index: int, fold: bool, run):
+    """The float model a QAT stage wraps, saved as the stage's start when it changed.
+
+    The layers edgeq rewrites before wrapping (TF ops, SeparableConv2D) are rewritten in the
+    float model too, so QAT's weights map back onto it; with ``fold`` BN is folded first.
+    Returns (the model, whether it is folded now).
+    """
+    rewritten, _ = replace_tf_ops(float_model)
+    if rewritten is not float_model:
+        float_model = rewritten
+        run.save_stage_start(float_model, index)
+    if fold:
+        float_model = fold_batchnorm(float_model)
+        run.save_stage_start(float_model, index)
+    return float_model, fold
+
+
+def _qat_stage_model(float_model, stage, initial_epoch: int, config, settings, quantizable, dataset, objs):
+    """A QAT stage's wrapped model (its share of the layers, its bits) with its starting ranges.
+
+    With TF-MOT's start, the input's preprocessing (Rescaling, Normalization) still gets its
+    exact range from data: [-6, 6] can quantize it to all zeros. Returns (model, how many
+    activation ranges were set from calibration).
+    """
+    n = max(1, math.ceil(stage.layer_fraction * len(quantizable)))
+    only = set(quantizable[:n]) if stage.layer_fraction < 1.0 else None
+    stage_settings = replace(settings, weight_bits=stage.weight_bits, activation_bits=stage.activation_bits)
+    stage_model = schemes.build_qat_model(float_model, stage_settings, only_layers=only)
+    method, only = start_ranges(config.init_ranges, float_model, objs)
+    set_here = 0
+    if initial_epoch == 0 and method is not None:
+        set_here = initialize_ranges(
+            stage_model,
+            float_model,
+            dataset.calibration_samples(min(256, dataset.count("train"))),
+            method,
+            stage.activation_bits,
+            symmetric=config.activations == "symmetric",
+            only=only,
+        )
+    return stage_model, set_here
+
+
+def _run_record(config: TrainConfig, dist, out_dir: Path, f: dict) -> dict:
+    """run.json: what was trained, how, with which quantization, and what each stage measured.
+
+    ``f``: the run's facts (recipe, hp, settings, fold_bn, qat_model, initialized, ranges, stages,
+    dataset, objs, teacher, distill_reason, results, resumed, started, augment, user_model, qat_path).
+    """
+    dataset = f["dataset"]
+    record = {
+        "kind": "edgeq.train",
+        "complete": True,
+        "config": config.to_dict(),
+        "recipe": f["recipe"].name if f["recipe"] else None,
+        "hyperparameters": f["hp"],
+        "quantization": {
+            **f["settings"].to_dict(),
+            "batchnorm_folded_before_qat": bool(f["fold_bn"]),
+            "float_layers": schemes.float_layers(f["qat_model"]) if f["qat_model"] is not None else [],
+            "initial_activation_ranges": {"method": config.init_ranges, "set_per_stage": f["initialized"]},
+            "final_ranges": f["ranges"],
+        },
+        "schedule": [s.to_dict() for s in f["stages"]],
+        "data": dataset.describe(),
+        "normalization": dataset.normalization.to_dict(),
+        "input_shape": dataset.describe()["input_shape"],
+        "num_classes": dataset.num_classes,
+        # what each output is and what it trained with: convert, eval and profile read the tasks here
+        "outputs": [o.to_dict() for o in f["objs"]],
+        "distillation": distill.describe(f["teacher"][1], f["distill_reason"]) if f["teacher"] else None,
+        "results": [asdict(r) for r in f["results"]],
+        "resumed_from": list(f["resumed"]) if f["resumed"] else None,
+        "train_seconds": round(time.perf_counter() - f["started"], 3),
+        "distribution": {
+            **dist.describe(),
+            "global_batch_size": f["hp"]["batch_size"],
+            "batchnorm": "statistics over the global batch (synchronized)" if dist.replicas > 1 else "per batch",
+        },
+        "augment": list(f["augment"]),
+        # Which Keras wrote each file: QAT needs tf_keras; fp32.keras is in the Keras given.
+        "keras": {
+            "given": "keras3" if f["user_model"] is not None else "tf_keras",
+            FP32_NAME: "keras3" if f["user_model"] is not None else "tf_keras",
+            **({QAT_NAME: "tf_keras", QAT_FLOAT_NAME: "tf_keras"} if f["qat_path"] else {}),
+        },
+        "artifacts": {
+            FP32_NAME: sha256_file(out_dir / FP32_NAME),
+            **({QAT_NAME: sha256_file(f["qat_path"])} if f["qat_path"] else {}),
+            **({QAT_FLOAT_NAME: sha256_file(out_dir / QAT_FLOAT_NAME)} if f["qat_path"] else {}),
+        },
+        "provenance": provenance(),
+    }
+    return record
+
+
+def _checked_schedule(config: TrainConfig, model, dataset, hp: dict, augment, dry_run: bool):
+    """The stages, quantization settings and quantizable layers, refused early where they cannot work.
+
+    With ``dry_run`` the quantization wrapping is tried once: a model TF-MOT cannot take
+    fails now, in seconds and with the layer names, never after the FP32 epochs.
+    """
+    if augment and len(dataset.input_shape) != 3:
+        raise UsageError(
+            f"--augment {config.augment} is for images (H, W, C); {dataset.source} has samples of shape "
+            f"{dataset.input_shape}"
+        )
+    stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], config.weight_bits, config.activation_bits)
+    if not stages:
+        raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
+    layer_plan = _layer_plan(config, [layer.name for layer in model.layers])
+    settings = schemes.QuantSettings(
+        config.weight_bits, config.activation_bits, config.granularity, config.activations, layer_plan
+    )
+    if dry_run and any(s.kind == "qat" for s in stages):
+        schemes.build_qat_model(model, settings)
+    return stages, settings, schemes.quantizable_layer_names(model)
+
+
+def _clear_run(out_dir: Path) -> None:
+    """--force: the earlier run's models, records and checkpoints go before training starts."""
+    for name in (FP32_NAME, QAT_NAME, QAT_FLOAT_NAME, "run.json", "history.json"):
+        if (out_dir / name).exists():
+            (out_dir / name).unlink()
+    shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
+
+
+def _fit_and_judge(
+    stage_model, stage, index: int, initial_epoch: int, data: tuple, objs, config, hp: dict, augment, run, bar
+) -> StageResult:
+    """Train one stage from ``initial_epoch`` and measure it. ``data``: (dataset, its targets plan,
+    the distillation teacher or None); a distilled QAT stage trains on the teacher's outputs."""
+    dataset, plan, teacher = data
+    t0 = time.perf_counter()
+    fit_set, fit_plan = (teacher[0], teacher[2]) if teacher and stage.kind == "qat" else (dataset, plan)
+    if initial_epoch < stage.epochs:
+        epochs = (initial_epoch, stage.epochs)
+        batches = dict(training=True, seed=config.seed, augment=augment, epochs=epochs, targets=fit_plan)
+        fit = pipeline.split_dataset(fit_set, "train", hp["batch_size"], **batches)
+        steps = pipeline.steps_per_epoch(dataset, "train", hp["batch_size"])
+        _fit_stage(stage_model, stage, index, initial_epoch, fit, steps, fit_set, fit_plan, hp, run, bar)
+    judged = (dataset, plan) if plan is not None else (teacher[0], teacher[2])
+    by_keras = not (teacher and stage.kind == "qat")  # a distilled model has no Keras accuracy metric
+    return _judge_stage(stage_model, stage, judged, objs, by_keras, plan is not None, time.perf_counter() - t0)
+
+
 def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool) -> TrainResult:
     out_dir = Path(config.out_dir)
     config, state = _resumed_state(config, dist, resume, force)
@@ -641,25 +787,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     if dist.chief:
         for warning in concatenated_outputs(model, dataset.calibration_samples(min(64, dataset.count("train")))):
             log.warning("%s", warning)
-    if augment and len(dataset.input_shape) != 3:
-        raise UsageError(
-            f"--augment {config.augment} is for images (H, W, C); {dataset.source} has samples of shape "
-            f"{dataset.input_shape}"
-        )
-    stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], config.weight_bits, config.activation_bits)
-    if not stages:
-        raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
-
-    layer_plan = _layer_plan(config, [layer.name for layer in model.layers])
-    settings = schemes.QuantSettings(
-        config.weight_bits, config.activation_bits, config.granularity, config.activations, layer_plan
-    )
-    quantizable = schemes.quantizable_layer_names(model)
-    if state is None and any(s.kind == "qat" for s in stages):
-        # A dry run of the quantization wrapping: a model TF-MOT cannot take fails now,
-        # in seconds and with the layer names, never after the FP32 epochs.
-        schemes.build_qat_model(model, settings)
-
+    stages, settings, quantizable = _checked_schedule(config, model, dataset, hp, augment, dry_run=state is None)
     if dist.chief:
         out_dir.mkdir(parents=True, exist_ok=True)
     run = _Run(out_dir, stages, config, chief=dist.chief, worker=dist.worker_index)
@@ -669,10 +797,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         start_stage, start_epoch = int(state["stage"]), int(state["epochs_done"])
         model = load_user_model(out_dir / "checkpoint" / stage_start_name(start_stage))
     elif force and dist.chief:
-        for name in (FP32_NAME, QAT_NAME, QAT_FLOAT_NAME, "run.json", "history.json"):
-            if (out_dir / name).exists():
-                (out_dir / name).unlink()
-        shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
+        _clear_run(out_dir)
 
     total = sum(s.epochs for s in stages)
     done = sum(s.epochs for s in stages[:start_stage]) + start_epoch
@@ -706,64 +831,35 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                 teacher = _teacher(float_model, out_dir, index == stages.index(_first_qat(stages)) and
                                    initial_epoch == 0, dataset, objs, hp["batch_size"])  # fmt: skip
             if stage.kind == "qat" and initial_epoch == 0:
-                # The layers edgeq rewrites before wrapping (TF ops, SeparableConv2D) are
-                # rewritten in the float model too, so QAT's weights map back onto it.
-                rewritten, _ = replace_tf_ops(float_model)
-                if rewritten is not float_model:
-                    float_model = rewritten
-                    run.save_stage_start(float_model, index)
-            if stage.kind == "qat" and fold_bn and initial_epoch == 0 and not folded:
-                float_model = fold_batchnorm(float_model)
-                folded = True
-                run.save_stage_start(float_model, index)
+                float_model, just_folded = _float_model_for_qat(float_model, index, fold_bn and not folded, run)
+                folded = folded or just_folded
             if stage.kind == "fp32":
                 stage_model = float_model
-                if dist.replicas > 1:
-                    synchronize_batchnorm(stage_model)
+            else:
+                stage_model, set_here = _qat_stage_model(
+                    float_model, stage, initial_epoch, config, settings, quantizable, dataset, objs
+                )
+                if set_here:
+                    initialized[stage.name] = set_here
+            if dist.replicas > 1:
+                synchronize_batchnorm(stage_model)
+            if stage.kind == "fp32":
                 _compile(stage_model, hp["learning_rate"], objs=objs)
             else:
-                n = max(1, math.ceil(stage.layer_fraction * len(quantizable)))
-                only = set(quantizable[:n]) if stage.layer_fraction < 1.0 else None
-                stage_settings = replace(settings, weight_bits=stage.weight_bits, activation_bits=stage.activation_bits)
-                stage_model = schemes.build_qat_model(float_model, stage_settings, only_layers=only)
-                # With TF-MOT's start, the input's preprocessing (Rescaling, Normalization) still
-                # gets its exact range from data: [-6, 6] can quantize it to all zeros.
-                method, only = start_ranges(config.init_ranges, float_model, objs)
-                if initial_epoch == 0 and method is not None:
-                    set_here = initialize_ranges(
-                        stage_model,
-                        float_model,
-                        dataset.calibration_samples(min(256, dataset.count("train"))),
-                        method,
-                        stage.activation_bits,
-                        symmetric=config.activations == "symmetric",
-                        only=only,
-                    )
-                    if set_here:
-                        initialized[stage.name] = set_here
-                if dist.replicas > 1:
-                    synchronize_batchnorm(stage_model)
                 stage_objs = teacher[1] if teacher else objs
                 _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value, stage_objs)
             if initial_epoch > 0:
                 restore_checkpoint(stage_model, out_dir / "checkpoint", state)
-            t0 = time.perf_counter()
-            fit_set, fit_plan = (teacher[0], teacher[2]) if teacher and stage.kind == "qat" else (dataset, plan)
-            if initial_epoch < stage.epochs:
-                epochs = (initial_epoch, stage.epochs)
-                batches = dict(training=True, seed=config.seed, augment=augment, epochs=epochs, targets=fit_plan)
-                fit = pipeline.split_dataset(fit_set, "train", hp["batch_size"], **batches)
-                steps = pipeline.steps_per_epoch(dataset, "train", hp["batch_size"])
-                _fit_stage(stage_model, stage, index, initial_epoch, fit, steps, fit_set, fit_plan, hp, run, bar)
-            judged = (dataset, plan) if plan is not None else (teacher[0], teacher[2])
-            by_keras = not (teacher and stage.kind == "qat")  # a distilled model has no Keras accuracy metric
-            result = _judge_stage(
-                stage_model, stage, judged, objs, by_keras, plan is not None, time.perf_counter() - t0
+            result = _fit_and_judge(
+                stage_model, stage, index, initial_epoch, (dataset, plan, teacher), objs, config, hp, augment, run, bar
             )
-            val_acc, test_acc, metric = result.val_accuracy, result.test_accuracy, result.metric
             results.append(result)
-            run.history[index]["final"] = {"val_accuracy": val_acc, "test_accuracy": test_acc, "metric": metric}
-            log.info("stage %s: val %s %.4f test %.4f", stage.name, metric, val_acc, test_acc)
+            run.history[index]["final"] = {
+                "val_accuracy": result.val_accuracy, "test_accuracy": result.test_accuracy, "metric": result.metric
+            }  # fmt: skip
+            log.info(
+                "stage %s: val %s %.4f test %.4f", stage.name, result.metric, result.val_accuracy, result.test_accuracy
+            )
             if stage.kind == "fp32":
                 _save_fp32(run, float_model, user_model)
             else:
@@ -789,49 +885,13 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
             out_dir, None, None, out_dir / "history.json", out_dir / "run.json", tuple(results), ranges=ranges
         )
     write_json_atomic(out_dir / "history.json", {"stages": run.history})
-    record = {
-        "kind": "edgeq.train",
-        "complete": True,
-        "config": config.to_dict(),
-        "recipe": recipe.name if recipe else None,
-        "hyperparameters": hp,
-        "quantization": {
-            **settings.to_dict(),
-            "batchnorm_folded_before_qat": bool(fold_bn),
-            "float_layers": schemes.float_layers(qat_model) if qat_model is not None else [],
-            "initial_activation_ranges": {"method": config.init_ranges, "set_per_stage": initialized},
-            "final_ranges": ranges,
-        },
-        "schedule": [s.to_dict() for s in stages],
-        "data": dataset.describe(),
-        "normalization": dataset.normalization.to_dict(),
-        "input_shape": dataset.describe()["input_shape"],
-        "num_classes": dataset.num_classes,
-        # what each output is and what it trained with: convert, eval and profile read the tasks here
-        "outputs": [o.to_dict() for o in objs],
-        "distillation": distill.describe(teacher[1], distill_reason) if teacher else None,
-        "results": [asdict(r) for r in results],
-        "resumed_from": [start_stage, start_epoch] if state is not None else None,
-        "train_seconds": round(time.perf_counter() - started, 3),
-        "distribution": {
-            **dist.describe(),
-            "global_batch_size": hp["batch_size"],
-            "batchnorm": "statistics over the global batch (synchronized)" if dist.replicas > 1 else "per batch",
-        },
-        "augment": list(augment),
-        # Which Keras wrote each file: QAT needs tf_keras; fp32.keras is in the Keras given.
-        "keras": {
-            "given": "keras3" if user_model is not None else "tf_keras",
-            FP32_NAME: "keras3" if user_model is not None else "tf_keras",
-            **({QAT_NAME: "tf_keras", QAT_FLOAT_NAME: "tf_keras"} if qat_path else {}),
-        },
-        "artifacts": {
-            FP32_NAME: sha256_file(out_dir / FP32_NAME),
-            **({QAT_NAME: sha256_file(qat_path)} if qat_path else {}),
-            **({QAT_FLOAT_NAME: sha256_file(out_dir / QAT_FLOAT_NAME)} if qat_path else {}),
-        },
-        "provenance": provenance(),
-    }
+    facts = dict(
+        recipe=recipe, hp=hp, settings=settings, fold_bn=fold_bn, qat_model=qat_model, initialized=initialized,
+        ranges=ranges, stages=stages, dataset=dataset, objs=objs, teacher=teacher, distill_reason=distill_reason,
+        results=results, resumed=(start_stage, start_epoch) if state is not None else None, started=started,
+        augment=augment, user_model=user_model, qat_path=qat_path,
+    )  # fmt: skip
+    record = _run_record(config, dist, out_dir, facts)
     write_json_atomic(out_dir / "run.json", record)
     shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
     return TrainResult(
