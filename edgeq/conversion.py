@@ -730,7 +730,8 @@ def _convert_searching_ranges(
             with contextlib.nullcontext() if method == "converter" else ranges.ranged(method):
                 flatbuffer, _ = _convert_tflite(model, spec, dataset, options, False)
             if weights is not None:
-                flatbuffer = with_weight_codes(flatbuffer, weights.kernels)
+                flatbuffer, folded = with_weight_codes(flatbuffer, weights.kernels)
+                weights.record["converter_folded"] = folded
             got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict_outputs(x_check)
             # several outputs (a detector's heads): the worst one decides, as in verification
             cmp = min((compare_outputs(reference[n], got[n]) for n in reference), key=lambda c: c.sqnr_db)
@@ -799,6 +800,15 @@ def _weights_note(record: dict) -> str:
         f"; {record['weight_bits']}-bit weights, {record['weight_ranges']} ranges, rounded by {record['method']} "
         f"(seed {record['seed']}) in {len(layers)} layers"
     )
+    if record.get("converter_weights"):
+        kept = record["converter_weights"]
+        note += f"; {len(kept)} other kernel(s) left to the converter (8-bit, min/max): {', '.join(kept[:4])}"
+    if record.get("converter_folded"):
+        folded = record["converter_folded"]
+        note += (
+            f"; the converter folded a scale into {len(folded)} filter(s), which keep its 8-bit codes: "
+            f"{', '.join(folded[:4])}"
+        )
     if record["method"] == "adaround" and layers:
         before = float(np.mean([la["output_mse_nearest"] for la in layers]))
         after = float(np.mean([la["output_mse"] for la in layers]))

@@ -707,3 +707,27 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
     minmax.write_bytes(calibrate(model, dataset, 48).quantize())
     narrower = [op for (op, s_m, _), (_, s_a, _) in zip(sorted(activations(minmax)), a) if s_a < 0.99 * s_m]
     assert narrower, (a, activations(minmax))
+
+
+def test_w4a8_names_the_kernels_it_leaves_to_the_converter(tmp_path):
+    """edgeq chooses the codes of Conv2D, DepthwiseConv2D and Dense kernels; any other kernel (here a
+    Conv1D's) keeps the converter's 8-bit min/max weights, and the manifest and note say which."""
+    from edgeq.compat import keras
+    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.runtime.flatbuffer import read_tflite
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16, 3))
+    x = keras.layers.Conv1D(4, 3, activation="relu", name="conv1d")(inp)
+    model = keras.Model(inp, keras.layers.Dense(5, name="head")(keras.layers.Flatten()(x)))
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=np.random.default_rng(0).normal(size=(120, 16, 3)).astype(np.float32))
+    out = tmp_path / "w4.tflite"
+    options = ConvertOptions(mode="int8-only", calib=f"npz:{calib}", ptq="minmax", weight_bits=4, min_sqnr_db=-100.0)
+    result = convert(model, out, options)
+    manifest = json.loads(out.with_name("w4.manifest.json").read_text())
+    rounding = manifest["ptq"]["rounding"]
+    assert rounding["converter_weights"] == ["conv1d"] and [la["layer"] for la in rounding["layers"]] == ["head"]
+    assert any("left to the converter" in n and "conv1d" in n for n in result.notes), result.notes
+    weights = sorted(t.dtype for t in read_tflite(out).main.tensors if t.is_constant and t.dtype in ("int4", "int8"))
+    assert weights == ["int4", "int8"], weights

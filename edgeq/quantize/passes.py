@@ -1,11 +1,15 @@
-"""Edits of a converted .tflite flatbuffer that keep what it computes and make it integer-only.
+"""Edits of a converted .tflite flatbuffer: what it computes stays, up to a rounding step.
 
-``fuse_requantize``: the converter sometimes leaves ``DEQUANTIZE (int8 -> float) ->
-QUANTIZE (float -> int8)`` between two integer ops, e.g. after a model input that feeds
-a ``Rescaling`` with an offset (MobileNetV3's and EfficientNetV2's preprocessing). The
-pair is one requantization, which TFLite's QUANTIZE op does int8 -> int8 in integer
-arithmetic; the float tensor between them disappears. Verification after conversion
-still compares the edited model with the Keras model.
+- ``fuse_requantize``: the converter sometimes leaves ``DEQUANTIZE (int8 -> float) ->
+  QUANTIZE (float -> int8)`` between two integer ops, e.g. after a model input that feeds
+  a ``Rescaling`` with an offset (MobileNetV3's and EfficientNetV2's preprocessing). The
+  pair is one requantization, which TFLite's QUANTIZE op does int8 -> int8 in integer
+  arithmetic; the float tensor between them disappears.
+- ``with_weight_codes``: edgeq's chosen weight codes and scales (``--weight-ranges``,
+  ``--rounding``, W4A8) written into the filters the converter quantized.
+- ``unfuse_hard_swish``: int8 HARD_SWISH as ADD/MUL, which XNNPACK runs in one partition.
+
+Verification after conversion still compares the edited model with the Keras model.
 """
 
 from __future__ import annotations
@@ -13,6 +17,15 @@ from __future__ import annotations
 from edgeq.runtime.flatbuffer import schema
 
 _INTEGER = ("INT8", "UINT8", "INT16")
+
+
+def _packed(model, size_hint: int) -> bytes:
+    """An edited flatbuffer object model, written out as a .tflite."""
+    import flatbuffers
+
+    builder = flatbuffers.Builder(size_hint + 4096)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
 
 
 def _builtin(model, op) -> int:
@@ -25,7 +38,6 @@ def fuse_requantize(content: bytes) -> tuple[bytes, int]:
 
     Returns the new flatbuffer and how many pairs were fused (0: ``content`` itself).
     """
-    import flatbuffers
 
     s = schema()
     model = s.ModelT.InitFromPackedBuf(content, 0)
@@ -64,9 +76,7 @@ def fuse_requantize(content: bytes) -> tuple[bytes, int]:
         graph.operators = keep
     if not fused:
         return content, 0
-    builder = flatbuffers.Builder(len(content) + 1024)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output()), fused
+    return _packed(model, len(content)), fused
 
 
 def _dequantized(tensor, buffers, qdim: int):
@@ -81,16 +91,17 @@ def _dequantized(tensor, buffers, qdim: int):
     return (data.astype(np.float64) - np.asarray(q.zeroPoint).reshape(shape)) * scale.reshape(shape), scale
 
 
-def with_weight_codes(content: bytes, kernels) -> bytes:
+def with_weight_codes(content: bytes, kernels) -> tuple[bytes, list[str]]:
     """Write edgeq's chosen weight codes and scales into a converted model's int8 filters.
 
     ``kernels``: ``edgeq.quantize.ptq.KernelCodes``, whose codes times scale are the float
     kernels the converter was given. Each is found as the one int8 constant of its layout's
     shape whose values the converter's codes reproduce (within half its step), its data and
     scale become edgeq's, and the int32 bias of each op reading it is requantized to the new
-    input-times-filter scale. A kernel that is not found raises ValueError naming its layer.
+    input-times-filter scale. A filter the converter changed is not found: EfficientNet's input
+    Normalization divides by a per-channel std that the converter folds into the stem conv's
+    filter. Those keep the converter's codes. Returns the new flatbuffer and the layers not found.
     """
-    import flatbuffers
     import numpy as np
 
     from edgeq.numerics import pack_int4
@@ -111,6 +122,7 @@ def with_weight_codes(content: bytes, kernels) -> bytes:
         if op.inputs is not None and len(op.inputs) > 1:
             readers.setdefault(int(op.inputs[1]), []).append(op)
     taken: set[int] = set()
+    missing: list[str] = []
     for kernel in kernels:
         codes, scale, qdim = kernel.tflite_layout()
         want = codes.astype(np.float64) * (scale.reshape([-1 if d == qdim else 1 for d in range(codes.ndim)]))
@@ -123,8 +135,9 @@ def with_weight_codes(content: bytes, kernels) -> bytes:
             if np.all(np.abs(values - want) <= 0.5 * step.max() * (1 + 1e-4) + 1e-12):
                 found = index
                 break
-        if found is None:
-            raise ValueError(f"layer {kernel.layer}: its {codes.shape} filter is not in the converted model")
+        if found is None:  # the converter changed it (a scale before it folded in): its own codes stay
+            missing.append(kernel.layer)
+            continue
         taken.add(found)
         tensor = graph.tensors[found]
         buffers.append(s.BufferT())
@@ -157,9 +170,7 @@ def with_weight_codes(content: bytes, kernels) -> bytes:
     for index, buffer in enumerate(buffers):
         if index and index not in used:  # a replaced filter's or bias's old data: dropped, indices kept
             buffer.data = None
-    builder = flatbuffers.Builder(len(content) + 1024)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output())
+    return _packed(model, len(content)), missing
 
 
 def _opcode(model, s, builtin: int, version: int) -> int:
@@ -217,7 +228,6 @@ def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
     steps or more) nothing is gained, and HARD_SWISH stays. Returns the new flatbuffer and how
     many were unfused.
     """
-    import flatbuffers
 
     s = schema()
     model = s.ModelT.InitFromPackedBuf(content, 0)
@@ -257,6 +267,4 @@ def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
         graph.operators = ops
     if not unfused:
         return content, 0
-    builder = flatbuffers.Builder(len(content) + 4096)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output()), unfused
+    return _packed(model, len(content)), unfused

@@ -132,7 +132,13 @@ def choose_weights(
         variable.assign((q * scale).astype(kernel.dtype))
         kernels.append(KernelCodes(layer.name, kind, q.astype(np.int8), np.asarray(scale, np.float64), bits))
         entries.append(entry)
+    others = [
+        la.name
+        for la in model.layers
+        if type(la).__name__ not in ADAROUND_LAYERS and any("kernel" in w.name for w in la.weights)
+    ]
     record = {
+        "converter_weights": others,  # kernels edgeq does not choose (Conv1D, SeparableConv2D...): the converter's
         "method": rounding,
         "seed": seed if rounding != "nearest" else None,
         "weight_ranges": ranges,
