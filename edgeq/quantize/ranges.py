@@ -144,8 +144,9 @@ class Observer:
     Each observer draws its keys from its own generator (``seed``), one key per value in the
     order the values come: so what it keeps depends on its tensor's values alone, not on the
     batch size or on how many other tensors are observed beside it. The same tensor observed
-    by analyze (in the converter's calibrated model) and by convert --ptq (in the Keras
-    model) yields the same sample, and so the same range.
+    for analyze and convert --ptq (in the converter's calibrated model) and for an int16
+    plan (in the float .tflite LiteRT Quantizer calibrates) yields the same sample, and so
+    the same range.
     """
 
     def __init__(self, seed: int = 0, cap: int | None = None):

@@ -3,8 +3,8 @@
 A QAT model's activation fake-quants start at TF-MOT's default range [-6, 6] and move
 towards the data by a slow moving average. Observing the float model's tensors on
 calibration samples once gives each fake-quant its range before the first step
-(``initialize_ranges``; ``edgeq train --init-ranges``), and gives edgeq's post-training
-quantization (edgeq.quantize.ptq) the values its range methods choose from.
+(``initialize_ranges``; ``edgeq train --init-ranges``). Post-training quantization does
+not come here: it re-ranges the converter's own calibration (edgeq.quantize.calibration).
 """
 
 from __future__ import annotations
@@ -120,9 +120,8 @@ def same_scale_ranges(
     union of its members' ranges, but a tensor that feeds only an average pooling takes the
     pooling's narrower output range instead of widening the group's. With min/max ranges the
     two rules agree (a concatenation's output holds every input value); with a clipping
-    method they do not, and the converter's is the one an analysis of the same method builds
-    (tests/test_ptq.py checks that analyze --ranges M and convert --ptq M give the same
-    scales). ``unquantized`` gives the chosen output range of same-scale layers without a
+    method they do not, and the converter's is the one its post-training quantization builds
+    for the same method. ``unquantized`` gives the chosen output range of same-scale layers without a
     fake-quant (from ``unquantized_same_scale``).
     """
     unquantized = unquantized or {}
