@@ -207,6 +207,11 @@ def test_a_two_input_model_reads_one_array_per_input_name(cli, tmp_path):
     assert result.exit_code == 0, result.output
     manifest = json.loads(out.with_name("two_int8.manifest.json").read_text())
     assert sorted(i["name"] for i in manifest["inputs"]) == ["image", "meta"]
+    ranged = tmp_path / "two_mse.tflite"  # edgeq's ranges observe each input from its own array
+    args = ("--int8-only", "--calib", f"npz:{tmp_path / 'two.npz'}", "--ptq", "mse", "--out", ranged)
+    result = cli("convert", tmp_path / "two.keras", *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(ranged.with_name("two_mse.manifest.json").read_text())["ptq"]["chosen"] == "mse"
     evaluated = cli("eval", out, "--reference", tmp_path / "two.keras", "--data", f"npz:{tmp_path / 'two.npz'}")
     assert evaluated.exit_code == 0 and "accuracy" in evaluated.stdout, evaluated.output
     assert cli("profile", out, "--data", tmp_path / "two.npz", "--runs", "2").exit_code == 0
