@@ -371,6 +371,75 @@ def wheel_digest(wheel: str | Path | None = None) -> str:
     return _DIGESTS[key]
 
 
+def _install_venv(transport: Transport, python: str, wheel: Path, digest: str, marker: str, workdir: str, wheels_dir):
+    """Install this edgeq build into the device's virtualenv (made when missing); its version record.
+
+    One probe of the base interpreter, the venv made if needed, the wheels sent, and pip
+    commands that first check every wheel's sha256; the last one writes the marker.
+    """
+    device = transport.device
+    venv = transport.expand(device.venv).rstrip("/")
+    build_dir = confine(workdir, f"wheels/{digest[:16]}")  # each build its own, for a rollback
+    house = transport.expand(device.wheelhouse).rstrip("/") if device.wheelhouse else confine(workdir, "wheels")
+    # one probe: the base interpreter (the venv's platform and Python are its), the folders
+    # made, and what the venv's bin and the wheelhouse hold
+    prepare = ("--mkdir", build_dir, "--mkdir", house, "--mkdir", confine(workdir, "models"))
+    prepare += ("--list", f"{venv}/bin", "--list", house)
+    info = probe(transport, device.python, prepare=prepare)
+    fresh = "python" not in (info.listed.get(f"{venv}/bin") or {})
+    dependencies = [] if device.online else _dependency_wheels(info, VENV_REQUIREMENTS, wheels_dir)
+    # With a pip wheel among them, a new venv is made without pip and pip runs from that wheel
+    # (installing itself into the venv with the rest): ensurepip's own install of pip and
+    # setuptools, byte-compiled, costs more than the whole install of edgeq's dependencies.
+    pip_wheel = next((w for w in dependencies if w.name.startswith("pip-")), None) if fresh else None
+    if fresh:
+        without = ["--without-pip"] if pip_wheel else []
+        made = transport.run([device.python, "-m", "venv", *without, venv], timeout=600)
+        if not made.ok:
+            raise DeviceError(
+                f"{device.name}: cannot create a virtualenv with {device.python} ({made.last_error_line()}); "
+                "on Raspberry Pi OS: sudo apt-get install python3-venv (deploy/bootstrap-rpi.sh)"
+            )
+    # no byte-compiling at install: a module is compiled when it is first imported, and
+    # most of numpy's and protobuf's modules never are on a device
+    options = ["install", "--quiet", "--disable-pip-version-check", "--no-compile"]
+    upload_atomically(transport, wheel, build_dir)
+    wheel_remote = confine(build_dir, wheel.name)
+    index, itself = [], []
+    if dependencies:
+        _send_dependencies(transport, dependencies, house, info.listed.get(house) or {})
+        index = ["--no-index", "--find-links", house]
+    if pip_wheel:  # --ignore-installed: pip run from its wheel would take itself for installed
+        runner = [python, f"{house}/{pip_wheel.name}/pip", *options, "--ignore-installed"]
+        itself = pinned(["pip"])
+    else:
+        runner = [python, "-m", "pip", *options]
+    pip = [*runner, *index]
+    # Each pip command first checks the sha256 of every wheel it is given (a wrong one is
+    # removed, to be sent again); the last one to run writes the marker when it succeeds.
+    checked = [
+        f"{wheel_remote}={wheel_digest(wheel)}",
+        *[f"{house}/{p.name}={wheel_digest(p)}" for p in dependencies],
+    ]
+
+    def install(argv: list[str], last: bool, timeout: float):
+        return _checked_run(transport, checked, argv, marker if last else None, digest, timeout)
+
+    # First the dependencies (kept when they already fit), then this exact edgeq build
+    # over whatever edgeq of the same version was there.
+    result = install([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS), *itself], fresh, 1800)
+    if not result.ok and "sha256" not in result.last_error_line():
+        # no wheel of the host's versions for this device: the newest that fits
+        log.warning("%s: the host's versions do not install (%s)", device.name, result.last_error_line())
+        newest = [*BASE_REQUIREMENTS, *(["pip"] if pip_wheel else [])]  # edgeq's wheel requires no runtime
+        result = install([*pip, wheel_remote, *newest], fresh, 1800)
+    if result.ok and not fresh:  # a new virtualenv had no edgeq that the first install kept
+        result = install([*pip, "--force-reinstall", "--no-deps", wheel_remote], True, 900)
+    if not result.ok:
+        raise DeviceError(f"{device.name}: pip install of {wheel.name} failed: {result.last_error_line()}")
+    return _version_record(digest, wheel, wheel=wheel_remote)
+
+
 def ensure_runtime(
     transport: Transport,
     *,
@@ -405,66 +474,7 @@ def ensure_runtime(
         live |= {"dir": "versions/legacy"} if runtime.mode == "site" else {}
     log.info("%s: installing %s (%s mode)", device.name, wheel.name, runtime.mode)
     if runtime.mode == "venv":
-        venv = transport.expand(device.venv).rstrip("/")
-        build_dir = confine(workdir, f"wheels/{digest[:16]}")  # each build its own, for a rollback
-        house = transport.expand(device.wheelhouse).rstrip("/") if device.wheelhouse else confine(workdir, "wheels")
-        # one probe: the base interpreter (the venv's platform and Python are its), the folders
-        # made, and what the venv's bin and the wheelhouse hold
-        prepare = ("--mkdir", build_dir, "--mkdir", house, "--mkdir", confine(workdir, "models"))
-        prepare += ("--list", f"{venv}/bin", "--list", house)
-        info = probe(transport, device.python, prepare=prepare)
-        fresh = "python" not in (info.listed.get(f"{venv}/bin") or {})
-        dependencies = [] if device.online else _dependency_wheels(info, VENV_REQUIREMENTS, wheels_dir)
-        # With a pip wheel among them, a new venv is made without pip and pip runs from that wheel
-        # (installing itself into the venv with the rest): ensurepip's own install of pip and
-        # setuptools, byte-compiled, costs more than the whole install of edgeq's dependencies.
-        pip_wheel = next((w for w in dependencies if w.name.startswith("pip-")), None) if fresh else None
-        if fresh:
-            without = ["--without-pip"] if pip_wheel else []
-            made = transport.run([device.python, "-m", "venv", *without, venv], timeout=600)
-            if not made.ok:
-                raise DeviceError(
-                    f"{device.name}: cannot create a virtualenv with {device.python} ({made.last_error_line()}); "
-                    "on Raspberry Pi OS: sudo apt-get install python3-venv (deploy/bootstrap-rpi.sh)"
-                )
-        # no byte-compiling at install: a module is compiled when it is first imported, and
-        # most of numpy's and protobuf's modules never are on a device
-        options = ["install", "--quiet", "--disable-pip-version-check", "--no-compile"]
-        upload_atomically(transport, wheel, build_dir)
-        wheel_remote = confine(build_dir, wheel.name)
-        index, itself = [], []
-        if dependencies:
-            _send_dependencies(transport, dependencies, house, info.listed.get(house) or {})
-            index = ["--no-index", "--find-links", house]
-        if pip_wheel:  # --ignore-installed: pip run from its wheel would take itself for installed
-            runner = [python, f"{house}/{pip_wheel.name}/pip", *options, "--ignore-installed"]
-            itself = pinned(["pip"])
-        else:
-            runner = [python, "-m", "pip", *options]
-        pip = [*runner, *index]
-        # Each pip command first checks the sha256 of every wheel it is given (a wrong one is
-        # removed, to be sent again); the last one to run writes the marker when it succeeds.
-        checked = [
-            f"{wheel_remote}={wheel_digest(wheel)}",
-            *[f"{house}/{p.name}={wheel_digest(p)}" for p in dependencies],
-        ]
-
-        def install(argv: list[str], last: bool, timeout: float):
-            return _checked_run(transport, checked, argv, marker if last else None, digest, timeout)
-
-        # First the dependencies (kept when they already fit), then this exact edgeq build
-        # over whatever edgeq of the same version was there.
-        result = install([*pip, wheel_remote, *pinned(BASE_REQUIREMENTS), *itself], fresh, 1800)
-        if not result.ok and "sha256" not in result.last_error_line():
-            # no wheel of the host's versions for this device: the newest that fits
-            log.warning("%s: the host's versions do not install (%s)", device.name, result.last_error_line())
-            newest = [*BASE_REQUIREMENTS, *(["pip"] if pip_wheel else [])]  # edgeq's wheel requires no runtime
-            result = install([*pip, wheel_remote, *newest], fresh, 1800)
-        if result.ok and not fresh:  # a new virtualenv had no edgeq that the first install kept
-            result = install([*pip, "--force-reinstall", "--no-deps", wheel_remote], True, 900)
-        if not result.ok:
-            raise DeviceError(f"{device.name}: pip install of {wheel.name} failed: {result.last_error_line()}")
-        new = _version_record(digest, wheel, wheel=wheel_remote)
+        new = _install_venv(transport, python, wheel, digest, marker, workdir, wheels_dir)
     else:
         _install_site(transport, python, wheel, digest, live, wheels_dir, workdir)
         return dataclasses.replace(runtime, installed="installed")

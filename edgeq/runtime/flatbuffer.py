@@ -294,6 +294,63 @@ def _check_tensor(t: TensorDesc, has_sparsity: bool, where: str) -> None:
             )
 
 
+def _parse_tensors(sg, content: bytes, where: str, buffer_bytes: list[int]) -> list[TensorDesc]:
+    """A subgraph's tensors, each checked against the buffers it refers to."""
+    n_buffers = len(buffer_bytes)
+    tensors = []
+    for t in range(_length(sg.TensorsLength(), content, where, "tensors")):
+        tensor = sg.Tensors(t)
+        quant = tensor.Quantization()
+        scale = _floats(quant, "Scale") if quant is not None else ()
+        zero_point = _ints(quant, "ZeroPoint") if quant is not None else ()
+        buffer = int(tensor.Buffer())
+        if not 0 <= buffer < max(n_buffers, 1):
+            raise ModelLoadError(f"{where}: tensor {t} refers to buffer {buffer} of {n_buffers}")
+        shape = _ints(tensor, "Shape")
+        desc_tensor = TensorDesc(
+            index=t,
+            name=_text(tensor.Name()),
+            dtype=dtype_name(int(tensor.Type())),
+            shape=shape,
+            shape_signature=_ints(tensor, "ShapeSignature") or shape,
+            scale=scale,
+            zero_point=zero_point,
+            quantized_dimension=int(quant.QuantizedDimension()) if quant is not None else 0,
+            buffer=buffer,
+            constant_bytes=buffer_bytes[buffer] if buffer < len(buffer_bytes) else 0,
+            is_variable=bool(tensor.IsVariable()),
+        )
+        _check_tensor(desc_tensor, has_sparsity=tensor.Sparsity() is not None, where=where)
+        tensors.append(desc_tensor)
+    return tensors
+
+
+def _parse_operators(s, sg, content: bytes, where: str, opcodes: list, n_tensors: int) -> list[OperatorDesc]:
+    """A subgraph's operators, each checked against the operator codes and tensors it refers to."""
+    operators = []
+    for o in range(_length(sg.OperatorsLength(), content, where, "operators")):
+        op = sg.Operators(o)
+        opcode_index = int(op.OpcodeIndex())
+        if not 0 <= opcode_index < len(opcodes):
+            raise ModelLoadError(f"{where}: op {o} refers to operator code {opcode_index} of {len(opcodes)}")
+        inputs, outputs = _ints(op, "Inputs"), _ints(op, "Outputs")
+        for i in inputs + outputs:
+            if not -1 <= i < n_tensors:
+                raise ModelLoadError(f"{where}: op {o} refers to tensor {i} of {n_tensors}")
+        op_type, custom = opcodes[opcode_index]
+        operators.append(
+            OperatorDesc(
+                index=o,
+                op_type=op_type,
+                custom=custom,
+                inputs=inputs,
+                outputs=outputs,
+                fused_activation=_fused_activation(s, op),
+            )
+        )
+    return operators
+
+
 def _parse(content: bytes, where: str) -> ModelDesc:
     s = schema()
     model = s.Model.GetRootAs(content, 0)
@@ -312,53 +369,9 @@ def _parse(content: bytes, where: str) -> ModelDesc:
     subgraphs = []
     for g in range(_length(model.SubgraphsLength(), content, where, "subgraphs")):
         sg = model.Subgraphs(g)
-        tensors = []
-        for t in range(_length(sg.TensorsLength(), content, where, "tensors")):
-            tensor = sg.Tensors(t)
-            quant = tensor.Quantization()
-            scale = _floats(quant, "Scale") if quant is not None else ()
-            zero_point = _ints(quant, "ZeroPoint") if quant is not None else ()
-            buffer = int(tensor.Buffer())
-            if not 0 <= buffer < max(n_buffers, 1):
-                raise ModelLoadError(f"{where}: tensor {t} refers to buffer {buffer} of {n_buffers}")
-            shape = _ints(tensor, "Shape")
-            desc_tensor = TensorDesc(
-                index=t,
-                name=_text(tensor.Name()),
-                dtype=dtype_name(int(tensor.Type())),
-                shape=shape,
-                shape_signature=_ints(tensor, "ShapeSignature") or shape,
-                scale=scale,
-                zero_point=zero_point,
-                quantized_dimension=int(quant.QuantizedDimension()) if quant is not None else 0,
-                buffer=buffer,
-                constant_bytes=buffer_bytes[buffer] if buffer < len(buffer_bytes) else 0,
-                is_variable=bool(tensor.IsVariable()),
-            )
-            _check_tensor(desc_tensor, has_sparsity=tensor.Sparsity() is not None, where=where)
-            tensors.append(desc_tensor)
+        tensors = _parse_tensors(sg, content, where, buffer_bytes)
         n_tensors = len(tensors)
-        operators = []
-        for o in range(_length(sg.OperatorsLength(), content, where, "operators")):
-            op = sg.Operators(o)
-            opcode_index = int(op.OpcodeIndex())
-            if not 0 <= opcode_index < len(opcodes):
-                raise ModelLoadError(f"{where}: op {o} refers to operator code {opcode_index} of {len(opcodes)}")
-            inputs, outputs = _ints(op, "Inputs"), _ints(op, "Outputs")
-            for i in inputs + outputs:
-                if not -1 <= i < n_tensors:
-                    raise ModelLoadError(f"{where}: op {o} refers to tensor {i} of {n_tensors}")
-            op_type, custom = opcodes[opcode_index]
-            operators.append(
-                OperatorDesc(
-                    index=o,
-                    op_type=op_type,
-                    custom=custom,
-                    inputs=inputs,
-                    outputs=outputs,
-                    fused_activation=_fused_activation(s, op),
-                )
-            )
+        operators = _parse_operators(s, sg, content, where, opcodes, n_tensors)
         io_in, io_out = _ints(sg, "Inputs"), _ints(sg, "Outputs")
         for i in io_in + io_out:
             if not 0 <= i < n_tensors:

@@ -772,6 +772,15 @@ def _fit_and_judge(
     return _judge_stage(stage_model, stage, judged, objs, by_keras, plan is not None, time.perf_counter() - t0)
 
 
+def _progress_bar(stages, start_stage: int, start_epoch: int):
+    """One bar over every stage's epochs, starting where a resumed run stands."""
+    from tqdm.auto import tqdm
+
+    total = sum(s.epochs for s in stages)
+    done = sum(s.epochs for s in stages[:start_stage]) + start_epoch
+    return tqdm(total=total, initial=done, unit="epoch", desc="train", dynamic_ncols=True)
+
+
 def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool) -> TrainResult:
     out_dir = Path(config.out_dir)
     config, state = _resumed_state(config, dist, resume, force)
@@ -799,14 +808,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     elif force and dist.chief:
         _clear_run(out_dir)
 
-    total = sum(s.epochs for s in stages)
-    done = sum(s.epochs for s in stages[:start_stage]) + start_epoch
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, initial=done, unit="epoch", desc="train", dynamic_ncols=True)
-
+    bar = _progress_bar(stages, start_stage, start_epoch) if progress else None
     if not any(s.kind == "fp32" for s in stages) and not (out_dir / FP32_NAME).exists():
         # QAT-only schedule: the model as given is the FP32 reference. Saved now, because QAT
         # copies its fine-tuned weights back into this very model object.
