@@ -112,10 +112,13 @@ VERIFY_SAMPLES = 200  # held-out samples verification compares on (and a --ptq s
 
 # --ptq: who chooses the ranges of integer post-training quantization. "converter" is the
 # TFLite converter's own min/max calibration; the others re-choose each calibrated min/max by
-# edgeq's methods (edgeq.quantize.calibration.ActivationRanges). "auto" converts with the
-# converter's ranges first and stops there when the SQNR reaches the target (the verification
-# threshold unless --ptq-target raises it), so a model the converter handles well costs one
-# conversion; otherwise each method is converted in turn until one does, and the best is kept.
+# edgeq's methods (edgeq.quantize.calibration.ActivationRanges). "minmax" is not quite the
+# converter's ranges: TFLite's calibrator logs an op's inputs after the op ran, so a tensor that
+# an in-place op consumes (a residual ADD's branch) can get that op's output values in its range;
+# edgeq observes every tensor as it was. "auto" converts with the converter's ranges first and
+# stops there when the SQNR reaches the target (the verification threshold unless --ptq-target
+# raises it), so a model the converter handles well costs one conversion; otherwise edgeq's
+# methods are converted in turn until one does, and the best is kept.
 PTQ_AUTO = ("converter", "minmax", "percentile", "mse", "entropy")
 PTQ_METHODS = ("auto", "converter", *ACTIVATION_METHODS)
 ROUNDING_METHODS = (*ROUNDINGS, "adaround")  # adaround: edgeq.transforms.adaround

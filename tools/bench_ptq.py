@@ -326,11 +326,8 @@ def trained_architectures() -> list[dict]:
             row["converter"] = _convert(path, data, tmp / "converter.tflite", ptq="converter")
             row["best"] = best = _convert(path, data, tmp / "best.tflite", ptq="auto", ptq_target_db=1000.0)
             row["auto"] = _auto_from(best)
-            method = next(
-                (c["method"] for c in (best.get("ptq") or {}).get("candidates", [])
-                 if c["method"] in ACTIVATION_METHODS and "sqnr_db" in c),
-                "mse",
-            )  # fmt: skip
+            chosen = (best.get("ptq") or {}).get("chosen")
+            method = chosen if chosen in ACTIVATION_METHODS else "minmax"  # AdaRound on the ranges auto chose
             row["rounded_by"] = method
             row["adaround"] = _convert(path, data, tmp / "adaround.tflite", ptq=method, rounding="adaround", seed=0)
             for key in ("converter", "best", "adaround"):
