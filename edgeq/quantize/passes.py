@@ -249,9 +249,9 @@ def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
             gate_scale = (high if high > 0 else 6.0) / 255
             if sx / gate_scale >= 128:
                 # XNNPACK takes an int8 ADD only while an input's scale is under 256 output steps,
-                # and LiteRT's optimized ADD holds x + 3 in 16 bits before clamping (at 32767 gate
-                # steps it wraps: x = 795 at a 0.024 step gave relu6 = 0). A range this wide gains
-                # no partition and loses precision: HARD_SWISH stays.
+                # and LiteRT's optimized ADD went wrong past 32767 gate steps (x = 795 at a 0.024
+                # step gave relu6 = 0: a 16-bit intermediate, it seems). A range this wide gains no
+                # partition and loses precision: HARD_SWISH stays.
                 ops.append(op)
                 continue
             three = _int8_tensor(model, graph, f"{name}/three", [], 3.0 / 127, 0, [127])
