@@ -599,16 +599,10 @@ def _pretransformed(keras_model, dataset, options: ConvertOptions, notes: list[s
             notes.append("--equalize found no layer pairs (needs Conv/Dense -> ReLU/ReLU6/pool -> Conv/Dense)")
     if bias_correct and dataset is not None:
         from edgeq.transforms.bias_correction import correct_biases
-        from edgeq.transforms.fold import fold_batchnorm
+        from edgeq.transforms.fold import folded_copy
 
-        if not equalize:  # equalized_copy has folded BN into a copy already
-            folded = fold_batchnorm(keras_model)
-            if folded is keras_model:  # nothing to fold: correct a copy, never the caller's model
-                from edgeq.compat import keras
-
-                folded = keras.models.clone_model(keras_model)
-                folded.set_weights(keras_model.get_weights())
-            keras_model = folded
+        if not equalize:  # equalized_copy has folded BN into a copy already; correct a copy, never the caller's
+            keras_model = folded_copy(keras_model)
         keep = frozenset(_plan_float_layers(keras_model, plan)) if plan else frozenset()
         x_bias = dataset.calibration_samples(calib_samples)
         shifts = correct_biases(keras_model, x_bias, granularity == "per-tensor", keep)

@@ -23,7 +23,7 @@ from edgeq.compat import keras
 from edgeq.numerics import weight_codes, weight_error
 from edgeq.quantize.ranges import weight_ranges
 from edgeq.transforms.adaround import ADAROUND_LAYERS, kernel_name
-from edgeq.transforms.fold import fold_batchnorm
+from edgeq.transforms.fold import folded_copy
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,6 @@ class ChosenWeights:
     model: object  # the BN-folded copy to convert
     kernels: list[KernelCodes]
     record: dict = field(default_factory=dict)  # the manifest's record of the rounding
-
-
-def _folded_copy(model):
-    folded = fold_batchnorm(model)
-    if folded is model:  # nothing to fold: the caller's model is never changed
-        folded = keras.models.clone_model(model)
-        folded.set_weights(model.get_weights())
-    return folded
 
 
 def _layer_inputs(model, layers, x: np.ndarray, samples: int = 64, budget_bytes: int = 1 << 30):
@@ -101,7 +93,7 @@ def choose_weights(
     """Codes for every Conv2D/DepthwiseConv2D/Dense kernel: ``ranges`` (minmax, mse) picks each
     channel's clipping magnitude m, the scale is m / (2^(bits-1) - 1), ``rounding`` (nearest,
     stochastic, adaround) the codes. Returns the folded copy with kernels = codes x scale."""
-    model = _folded_copy(float_model)
+    model = folded_copy(float_model)
     layers = [layer for layer in model.layers if type(layer).__name__ in ADAROUND_LAYERS]
     inputs = _layer_inputs(model, layers, x_calibration) if rounding == "adaround" else None
     top = 2 ** (bits - 1) - 1

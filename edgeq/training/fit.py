@@ -631,7 +631,6 @@ def _float_model_for_qat(float_model, index: int, fold: bool, run):
 
     The layers edgeq rewrites before wrapping (TF ops, SeparableConv2D) are rewritten in the
     float model too, so QAT's weights map back onto it; with ``fold`` BN is folded first.
-    Returns (the model, whether it is folded now).
     """
     rewritten, _ = replace_tf_ops(float_model)
     if rewritten is not float_model:
@@ -640,7 +639,7 @@ def _float_model_for_qat(float_model, index: int, fold: bool, run):
     if fold:
         float_model = fold_batchnorm(float_model)
         run.save_stage_start(float_model, index)
-    return float_model, fold
+    return float_model
 
 
 def _qat_stage_model(float_model, stage, initial_epoch: int, config, settings, quantizable, dataset, objs):
@@ -676,7 +675,8 @@ def _run_record(config: TrainConfig, dist, out_dir: Path, f: dict) -> dict:
     dataset, objs, teacher, distill_reason, results, resumed, started, augment, user_model, qat_path).
     """
     dataset = f["dataset"]
-    record = {
+    described = dataset.describe()
+    return {
         "kind": "edgeq.train",
         "complete": True,
         "config": config.to_dict(),
@@ -690,9 +690,9 @@ def _run_record(config: TrainConfig, dist, out_dir: Path, f: dict) -> dict:
             "final_ranges": f["ranges"],
         },
         "schedule": [s.to_dict() for s in f["stages"]],
-        "data": dataset.describe(),
+        "data": described,
         "normalization": dataset.normalization.to_dict(),
-        "input_shape": dataset.describe()["input_shape"],
+        "input_shape": described["input_shape"],
         "num_classes": dataset.num_classes,
         # what each output is and what it trained with: convert, eval and profile read the tasks here
         "outputs": [o.to_dict() for o in f["objs"]],
@@ -719,7 +719,6 @@ def _run_record(config: TrainConfig, dist, out_dir: Path, f: dict) -> dict:
         },
         "provenance": provenance(),
     }
-    return record
 
 
 def _checked_schedule(config: TrainConfig, model, dataset, hp: dict, augment, dry_run: bool):
@@ -833,8 +832,9 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
                 teacher = _teacher(float_model, out_dir, index == stages.index(_first_qat(stages)) and
                                    initial_epoch == 0, dataset, objs, hp["batch_size"])  # fmt: skip
             if stage.kind == "qat" and initial_epoch == 0:
-                float_model, just_folded = _float_model_for_qat(float_model, index, fold_bn and not folded, run)
-                folded = folded or just_folded
+                fold = fold_bn and not folded
+                float_model = _float_model_for_qat(float_model, index, fold, run)
+                folded = folded or fold
             if stage.kind == "fp32":
                 stage_model = float_model
             else:

@@ -174,11 +174,7 @@ def equalize(model, iterations: int = 4, x=None) -> list[EqualizedPair]:
 
 def equalized_copy(model, x=None):
     """Fold BN, then equalize, on a copy; the FP32 function is unchanged (on ``x``, across ReLU6)."""
-    from edgeq.compat import keras
-    from edgeq.transforms.fold import fold_batchnorm
+    from edgeq.transforms.fold import folded_copy
 
-    folded = fold_batchnorm(model)
-    if folded is model:
-        folded = keras.models.clone_model(model)
-        folded.set_weights(model.get_weights())
+    folded = folded_copy(model)
     return folded, equalize(folded, x=x)

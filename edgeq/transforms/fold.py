@@ -108,3 +108,13 @@ def fold_batchnorm(model):
         {name: _folded_weights(by_name[name], by_name[folded_bn_of[name]]) for name in producers},
     )
     return folded
+
+
+def folded_copy(model):
+    """``fold_batchnorm(model)``, always a new model: with nothing to fold, a clone with the same
+    weights, so a caller that then edits weights never changes the model it was given."""
+    folded = fold_batchnorm(model)
+    if folded is model:
+        folded = keras.models.clone_model(model)
+        folded.set_weights(model.get_weights())
+    return folded
