@@ -418,7 +418,7 @@ def _install_venv(transport: Transport, python: str, wheel: Path, digest: str, m
     # Each pip command first checks the sha256 of every wheel it is given (a wrong one is
     # removed, to be sent again); the last one to run writes the marker when it succeeds.
     checked = [
-        f"{wheel_remote}={wheel_digest(wheel)}",
+        f"{wheel_remote}={digest}",
         *[f"{house}/{p.name}={wheel_digest(p)}" for p in dependencies],
     ]
 
