@@ -95,7 +95,7 @@ def host_key_option(
 
 
 def rollout_options(f):
-    """--parallel, --batch and --max-fail, handed to the command as one ``rollout`` (fleet.remote.Rollout)."""
+    """--parallel, --batch and --max-fail, handed to the command as one ``rollout`` (fleet.rollout.Rollout)."""
 
     @functools.wraps(f)
     def command(*args, parallel, batch, max_fail, **kwargs):
@@ -111,7 +111,8 @@ def rollout_options(f):
         click.option(
             "--max-fail",
             metavar="N|P%",
-            help="Stop the rollout once more devices than this have failed; later batches are not touched.",
+            help="Stop the rollout once more devices than this have failed; the devices not started are not "
+            "touched. Without --batch, no more devices run at once than this plus one.",
         ),
     ]
     for option in reversed(options):

@@ -13,7 +13,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,9 +113,10 @@ def for_each_device(
 ) -> list[DeviceOutcome]:
     """Run ``work(device, on_event)`` on every device, failures contained, batch by batch.
 
-    Outcomes come back in the devices' order; a device that a stopped rollout never reached is
-    "skipped". Ctrl-C stops the running commands (remote process groups killed) and raises
-    FleetInterrupted naming the devices that finished.
+    Without ``rollout.batch``, a failure budget (``rollout.max_fail``) still holds: no more
+    devices run at once than it can lose. Outcomes come back in the devices' order; a device
+    that a stopped rollout never reached is "skipped". Ctrl-C stops the running commands
+    (remote process groups killed) and raises FleetInterrupted naming the devices that finished.
     """
     on_event = on_event or _noop
     rollout = rollout or Rollout(parallel=parallel)
@@ -139,31 +140,51 @@ def for_each_device(
         on_event(device.name, f"done in {time.monotonic() - start:.1f} s")
         return DeviceOutcome(device.name, "ok", time.monotonic() - start, None, result)
 
+    # --max-fail without --batch: never more devices in flight than the failures the budget still
+    # allows plus one, so a rollout overshoots its budget by one failed device at most, as batches
+    # of one would (a budget of 0 goes one device at a time), and each device that finishes lets
+    # the next one start. With --batch, the budget is asked between batches only.
+    windowed = budget is not None and rollout.batch is None
+
+    def room(failed: int) -> int:  # how many devices may be in flight
+        return min(rollout.parallel, budget - failed + 1) if windowed else len(devices)
+
     CANCEL.clear()
-    outcomes: list[DeviceOutcome] = []
+    found: dict[int, DeviceOutcome] = {}  # by the device's index, as they finish
+    running: dict[Future, int] = {}
     pool = ThreadPoolExecutor(max_workers=max(1, min(rollout.parallel, len(devices))))
-    futures = []
     try:
+        first = 0
         for batch in rollout.batches(devices):
-            failed = sum(o.status in ("failed", "unhealthy") for o in outcomes)
-            if budget is not None and failed > budget:
-                reason = f"not attempted: the rollout stopped after {failed} failed device(s) (--max-fail "
-                reason += f"{rollout.max_fail})"
-                for device in batch:
-                    on_event(device.name, "skipped (rollout stopped)")
-                    outcomes.append(DeviceOutcome(device.name, "skipped", 0.0, reason))
-                continue
-            futures = [pool.submit(one, device) for device in batch]
-            wait(futures)
-            outcomes += [f.result() for f in futures]
+            queue = list(range(first, first + len(batch)))
+            first += len(batch)
+            while queue or running:
+                failed = sum(o.status in ("failed", "unhealthy") for o in found.values())
+                if budget is not None and failed > budget and queue:
+                    reason = f"not attempted: the rollout stopped after {failed} failed device(s) (--max-fail "
+                    reason += f"{rollout.max_fail})"
+                    for index in queue:
+                        on_event(devices[index].name, "skipped (rollout stopped)")
+                        found[index] = DeviceOutcome(devices[index].name, "skipped", 0.0, reason)
+                    queue = []  # what was started still finishes
+                while queue and len(running) < room(failed):
+                    index = queue.pop(0)
+                    running[pool.submit(one, devices[index])] = index
+                if not running:
+                    continue
+                # a batch is waited for whole; the window, for its first device to finish
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED if windowed else ALL_COMPLETED)
+                for future in finished:
+                    index = running.pop(future)
+                    found[index] = future.result()
     except KeyboardInterrupt:
         # Ctrl-C: every running command kills its remote process group and stops; devices
         # not started yet are not touched; what finished is listed.
         CANCEL.set()
-        for future in futures:
+        for future in running:
             future.cancel()
         pool.shutdown(wait=True)
-        finished = outcomes + [f.result() for f in futures if f.done() and not f.cancelled()]
+        finished = list(found.values()) + [f.result() for f in running if f.done() and not f.cancelled()]
         done = [o.device for o in finished if o.status == "ok"]
         raise FleetInterrupted(
             f"interrupted: remote commands stopped; finished on {len(done)} of {len(devices)} device(s)"
@@ -172,7 +193,7 @@ def for_each_device(
     finally:
         pool.shutdown(wait=False)
         CANCEL.clear()
-    return outcomes
+    return [found[i] for i in range(len(devices))]
 
 
 def check_device(device: Device, on_event: Event = _noop) -> Probe:

@@ -432,6 +432,38 @@ def test_a_batch_percentage_rounds_up_to_one_device_and_the_budget_stops_the_rol
     assert not any((tmp_path / n / "models").exists() for n in names[1:])
 
 
+@pytest.mark.parametrize("max_fail, parallel", [("10%", "4"), ("0", "8")])
+def test_max_fail_without_batch_starts_no_more_devices_than_the_budget_can_lose(cli, tmp_path, max_fail, parallel):
+    """--max-fail means the same without --batch: 9 devices, the first broken, a budget of none
+    (0, or 10% of 9 rounded down). Devices then go one at a time whatever --parallel says, so the
+    first failure stops the rollout and the other eight are not attempted (before, all nine were
+    pushed at once and the budget was never asked)."""
+    names = [f"wave{i}" for i in range(9)]
+    inventory = _inventory(tmp_path, names, broken=(names[0],))
+    result = cli("push", INT8, "--to", "all", "--inventory", inventory, "--max-fail", max_fail, "-j", parallel)
+    assert result.exit_code == 6, result.output
+    assert list(_rows(result.stdout).values()) == ["failed"] + ["skipped"] * 8
+    assert "rollout stopped: failed on 1 device(s) (wave0), over the --max-fail budget" in result.stderr
+    assert "8 of 9 not attempted" in result.stderr
+    assert "not attempted: the rollout stopped after 1 failed device(s)" in result.stdout
+    assert not any((tmp_path / n / "models").exists() for n in names[1:])
+
+
+@pytest.mark.parametrize("broken, statuses", [((0, 1, 2), ["failed"] * 2), ((0, 2), ["failed", "ok", "failed"])])
+def test_max_fail_without_batch_keeps_what_can_fail_at_once_within_the_budget(cli, tmp_path, broken, statuses):
+    """--max-fail 1 -j 8 without --batch: never more devices in flight than the failures still
+    allowed plus one (two, then one after a failure), so the rollout stops at the second failure,
+    whichever device finishes first, and the devices after it are untouched."""
+    names = [f"win{i}" for i in range(9)]
+    inventory = _inventory(tmp_path, names, broken=tuple(names[i] for i in broken))
+    result = cli("push", INT8, "--to", "all", "--inventory", inventory, "--max-fail", "1", "-j", "8")
+    assert result.exit_code == 6, result.output
+    untouched = 9 - len(statuses)
+    assert list(_rows(result.stdout).values()) == statuses + ["skipped"] * untouched
+    assert f"{untouched} of 9 not attempted" in result.stderr
+    assert not any((tmp_path / n / "models").exists() for n in names[len(statuses) :])
+
+
 class _ReplyLostOnRename(LocalTransport):
     """The device renames the file, then the connection drops before the reply comes back."""
 
