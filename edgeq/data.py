@@ -60,15 +60,20 @@ def spread_order(labels, seed: int = 0) -> np.ndarray:
 
 def alternate_halves(labels, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``order`` (from ``spread_order``) dealt into two disjoint halves, each class's samples
-    alternately to one and the other, so both halves stay stratified, in that order."""
+    alternately to one and the other, so both halves stay stratified, in that order.
+
+    Each class starts on the half the classes before it left short, so a split of one sample per
+    class (a small calibration set's val) still gives both halves samples."""
     y = _class_ids(labels) if labels is not None else None
     if y is None:
         return order[0::2], order[1::2]
     rank = np.empty(len(order), dtype=np.int64)
     ordered = y[order]
+    dealt = 0
     for cls in np.unique(ordered):
         at = np.flatnonzero(ordered == cls)
-        rank[at] = np.arange(len(at))
+        rank[at] = np.arange(len(at)) + dealt
+        dealt += len(at)
     return order[rank % 2 == 0], order[rank % 2 == 1]
 
 
@@ -250,6 +255,13 @@ class _Splits:
             "num_classes": self.num_classes,
             "labelled": self.labelled,
             "targets": {k: _target_kind(v) for k, v in y.items()} if isinstance(y, dict) else _target_kind(y),
+            "split": split_method(
+                {k: np.concatenate([self.targets(s, k) for s in ("train", "val", "test")]) for k in y}
+                if isinstance(y, dict)
+                else np.concatenate([self.y_train, self.y_val, self.y_test])
+            )
+            if self.labelled
+            else "seeded permutation (no labels)",
             "train": self.count("train"),
             "val": self.count("val"),
             "test": self.count("test"),
@@ -304,7 +316,10 @@ def _parts(x) -> list[np.ndarray]:
 def _target_kind(y) -> str:
     ids = _class_ids(y)
     if ids is not None:
-        return f"class ids ({len(np.unique(ids))} classes)"
+        return (
+            f"whole numbers ({len(np.unique(ids))} values, {int(ids.min())}..{int(ids.max())}): class ids for a "
+            "classifier output (softmax, logits or sigmoid), values for a 1-unit linear output or --task regression"
+        )
     return f"float targets {list(np.shape(y)[1:])}"
 
 
@@ -358,18 +373,44 @@ def _shape_str(shape: tuple) -> str:
     return "x".join(str(d if d is not None else 32) for d in shape)
 
 
-def stratified_split(x, y, seed: int = 0):
-    """Fixed train/val/test split (70/10/20), stratified by class where ``y`` holds class ids.
+def _split_labels(y) -> np.ndarray | None:
+    """The whole-numbered targets a split stratifies by (the first output's that has them), or None."""
+    if not isinstance(y, dict):
+        return _class_ids(y)
+    return next((c for c in (_class_ids(v) for v in y.values()) if c is not None), None)
 
+
+def split_groups(ids: np.ndarray | None, count: int) -> list[np.ndarray]:
+    """The groups a split draws 70/10/20 from: one per value seen at least 3 times, and one pool of
+    the values seen fewer times (rare ages, counts, or a class with two samples), so that every value
+    can reach val and test; the whole data where there are no whole-numbered targets."""
+    if ids is None:
+        return [np.arange(count)]
+    values, counts = np.unique(ids, return_counts=True)
+    groups = [np.flatnonzero(ids == v) for v, c in zip(values, counts) if c >= 3]
+    rare = np.flatnonzero(np.isin(ids, values[counts < 3]))
+    return groups + ([rare] if len(rare) else [])
+
+
+def split_method(y) -> str:
+    """How ``stratified_split`` splits ``y``, in words (``data info`` says it)."""
+    ids = _split_labels(y)
+    if ids is None:
+        return "seeded permutation (targets are not whole numbers)"
+    values, counts = np.unique(ids, return_counts=True)
+    rare = int(counts[counts < 3].sum())
+    pooled = f"; {rare} samples of {int((counts < 3).sum())} values seen < 3 times split as one pool" if rare else ""
+    return f"stratified by value ({len(values)} values){pooled}"
+
+
+def stratified_split(x, y, seed: int = 0):
+    """Fixed train/val/test split (70/10/20), stratified by value where ``y`` holds whole numbers.
+
+    Values seen fewer than 3 times are split together (``split_groups``), never all kept in train.
     ``x`` and ``y`` may be dicts of arrays (several inputs, several outputs).
     """
     rng = np.random.default_rng(seed)
-    ids = (
-        _class_ids(y)
-        if not isinstance(y, dict)
-        else next((c for c in (_class_ids(v) for v in y.values()) if c is not None), None)
-    )
-    groups = [np.flatnonzero(ids == cls) for cls in np.unique(ids)] if ids is not None else [np.arange(size(x))]
+    groups = split_groups(_split_labels(y), size(x))
     parts: list[list[int]] = [[], [], []]
     for idx in groups:
         rng.shuffle(idx)

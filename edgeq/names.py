@@ -34,6 +34,10 @@ def output_names(model) -> list[str]:
     """
     names = getattr(model, "output_names", None)
     if not names or len(names) != len(model.outputs):
+        # a Keras 3 Sequential has no output_names: its output is its last layer's, as in its tf_keras twin
+        layers = [getattr(producer_of(t), "name", None) for t in model.outputs]
+        if all(layers) and len(set(layers)) == len(layers):
+            return [str(n) for n in layers]
         return [f"output_{i}" for i in range(len(model.outputs))]
     result = []
     for name, tensor in zip(names, model.outputs):
