@@ -424,6 +424,8 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             notes.append(warning)
     # Held-out samples: a --ptq search chooses on one part, verification gates on another.
     held = dataset.held_out(VERIFY_SAMPLES, select=VERIFY_SAMPLES if searching and not plan else 0) if dataset else None
+    if held is not None:
+        _check_held_out(held, dataset, searching and not plan, options.ptq)
     started = time.perf_counter()
     route = {"searching": searching, "is_qat": is_qat, "source_name": source_name}
     flatbuffer, ptq_record = _quantize(keras_model, reference_model, spec, dataset, options, held, route, notes)
@@ -432,8 +434,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
     try:
         verification = _verify(
-            tflite, reference_model, spec, held, data_spec, io_type, source_name, options.min_sqnr_db, outputs
-        )
+            tflite, reference_model, spec, held, data_spec, io_type, source_name, options.min_sqnr_db, outputs,
+            _held_targets(dataset, held, outputs),
+        )  # fmt: skip
     except ConversionError as exc:
         if hint:  # the likeliest cause of a failed verification, said in the same line
             raise ConversionError(f"{exc}. Note: {hint}") from exc
@@ -686,6 +689,21 @@ def _export_aeq(keras_model, spec: ModeSpec, dataset, options: ConvertOptions, i
 
 # ModeSpec.backend -> the function that writes that mode's flatbuffer.
 EXPORTERS = {"tflite": _export_tflite, "aeq": _export_aeq}
+
+
+def _check_held_out(held, dataset, choosing: bool, ptq: str) -> None:
+    """Refuse, naming the sizes, data too small to verify on (or, for a --ptq search, to choose on too)."""
+    from edgeq.data import size
+
+    if size(held.x) and not (choosing and held.x_select is None):
+        return
+    need = f"--ptq {ptq} chooses ranges on one half of it and verification gates on the other" if choosing else (
+        "verification needs at least one sample"
+    )  # fmt: skip
+    raise DataError(
+        f"data {dataset.source!r} is too small: its {held.split} split holds {dataset.count(held.split)} sample(s) "
+        f"({dataset.count('train')} train) and {need}; give more data, or --ptq converter"
+    )
 
 
 def _convert_searching_ranges(
@@ -1139,8 +1157,36 @@ def _check_contract(tflite, spec: ModeSpec, io_type: str, source_name: str, name
     return tuple(floats)
 
 
-def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db, outputs) -> Verification:
-    """The converted model against the source, output by output (matched by name, never position)."""
+def _held_targets(dataset, held, outputs) -> dict:
+    """The labels of the held-out samples verification runs on, by output (none where the data has none)."""
+    if dataset is None or held is None or held.indices is None or not dataset.labelled:
+        return {}
+    found = {}
+    for o in outputs:
+        targets = dataset.targets(held.split, o.name if len(outputs) > 1 else None)
+        if targets is not None:
+            found[o.name] = np.asarray(targets)[held.indices]
+    return found
+
+
+def _task_verdict(output, reference, got, targets, x) -> dict | None:
+    """What verification saw of the output's task metric on its labelled samples: both values, the
+    change with n and its paired interval (edgeq.tasks.Verdict); None where nothing scores it."""
+    from edgeq.verdicts import NothingJudged, judge
+
+    if targets is None and output.kind != "reconstruction":
+        return None
+    try:
+        return judge(output, reference, got, targets, x if not isinstance(x, dict) else None).to_dict()
+    except NothingJudged:
+        return None
+
+
+def _verify(
+    tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db, outputs, targets=None
+) -> Verification:
+    """The converted model against the source, output by output (matched by name, never position);
+    with labels, each output's task metric too (n, change, paired interval)."""
     from edgeq.model_io import input_names, keras_outputs
     from edgeq.tasks import compare
 
@@ -1187,6 +1233,7 @@ def _verify(tflite, keras_model, spec, held, data_spec, io_type, source_name, mi
                 "mean_abs_error": cmp.mae,
                 "cosine": cmp.cosine,
                 "passed": bool(ok),
+                "verdict": _task_verdict(o, ref, got[o.name], (targets or {}).get(o.name), x),
             }
         )
         if not ok:

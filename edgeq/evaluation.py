@@ -16,6 +16,7 @@ import numpy as np
 
 from edgeq.errors import DataError, ModelLoadError, QualityGateError
 from edgeq.tasks import OutputSpec, compare, drop, score, task
+from edgeq.verdicts import NothingJudged, judge
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class EvalResult:
     outputs: tuple[dict, ...] = ()  # each output: name, task, metrics of both models, drop, comparison
     labelled: bool = True
     detection: dict | None = None  # a detector's mAP@0.5 and mAP@0.5:0.95, both models (pycocotools)
+    # each judged output: metric, unit, both values, worse_by with n and its paired 95% interval, pass/fail
+    verdicts: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         return {"kind": "edgeq.eval", **_json_safe(asdict(self))}
@@ -76,8 +79,11 @@ def _reference_outputs(reference: Path, x) -> tuple[dict, int, dict]:
     return keras_outputs(model, x, batch_size=256), fp32_size, output_activations(model)
 
 
-def output_specs_of(model_path: Path, names: list[str], shapes: dict, declared: str | None, activations: dict, dataset):
-    """Each output's task: --task, else what the conversion manifest recorded, else inferred."""
+def output_specs_of(
+    model_path: Path, names: list[str], shapes: dict, declared: str | None, activations: dict, dataset, reference=None
+):
+    """Each output's task: --task, else what the conversion manifest recorded, else the reference
+    Keras file's compile config, else inferred."""
     from edgeq.runtime.inputs import outputs_beside
     from edgeq.tasks import load_task_spec, specs_for
 
@@ -87,7 +93,14 @@ def output_specs_of(model_path: Path, names: list[str], shapes: dict, declared: 
         for name in names:
             targets[name] = dataset.targets("val" if dataset.count("val") else "test", name if len(names) > 1 else None)
     input_shape = dataset.input_shape if dataset is not None and not isinstance(dataset.input_shape, dict) else None
-    return specs_for(names, shapes, load_task_spec(declared, names), recorded, activations, targets, input_shape)
+    compiled = None
+    if reference is not None and Path(reference).suffix != ".tflite":
+        from edgeq.model_io import compiled_tasks
+
+        compiled = compiled_tasks(reference, names)
+    return specs_for(
+        names, shapes, load_task_spec(declared, names), recorded, activations, targets, input_shape, compiled
+    )
 
 
 def evaluate(
@@ -137,13 +150,17 @@ def evaluate(
             "give the model this .tflite was converted from"
         )
     out_shapes = {n: tuple(quantized.output_named(n).shape[1:]) for n in names}
-    specs = output_specs_of(model, names, out_shapes, task_spec, activations, dataset)
-    rows, primary = [], None
+    specs = output_specs_of(model, names, out_shapes, task_spec, activations, dataset, reference)
+    rows, primary, verdicts = [], None, []
     for spec in specs:
         row = _score_output(spec, ref[spec.name], got[spec.name], dataset, split, x, len(specs))
         rows.append(row)
         if primary is None and row["drop"] is not None:
             primary = row
+        verdict = _verdict(spec, ref[spec.name], got[spec.name], dataset, split, x, len(specs), max_drop_pp)
+        if verdict is not None:
+            row["verdict"] = verdict.to_dict()
+            verdicts.append(verdict)
     unscored = [spec for spec, row in zip(specs, rows) if spec.kind == "other"]
     if dataset.labelled and unscored and not any(row["metrics"] for row in rows):
         spec = unscored[0]
@@ -160,6 +177,12 @@ def evaluate(
             "metrics": {"map50": detection["map50"]},
             "reference_metrics": {"map50": detection["reference_map50"]},
         }
+    if max_drop_pp is not None and not verdicts and detection is None:
+        raise NothingJudged(
+            f"--max-drop {max_drop_pp:g}: nothing in {data} ({split}) scores {model.name}'s outputs "
+            f"({', '.join(f'{s.name}: {s.kind}' for s in specs)}), so there is nothing to judge; give labels "
+            "('y', or 'y_<output>' for each output) or declare the tasks with --task"
+        )
     first = rows[0]["comparison"]
     agreements = [r["comparison"]["agreement"] for r in rows if r["comparison"]["agreement"] is not None]
     drops = [r["drop"] for r in rows if r["drop"] is not None] + ([detection["drop"]] if detection else [])
@@ -183,11 +206,29 @@ def evaluate(
         size_ratio=size / ref_size if ref_size else float("nan"),
         model_dtype=quantized.input.dtype,
         max_drop_pp=max_drop_pp,
-        passed=max_drop_pp is None or all(d <= max_drop_pp for d in drops),
+        passed=max_drop_pp is None or (bool(drops) and all(d <= max_drop_pp for d in drops)),
         outputs=tuple(rows),
         labelled=dataset.labelled,
         detection=detection,
+        verdicts=tuple(v.to_dict() for v in verdicts),
     )
+
+
+def _verdict(spec: OutputSpec, ref, got, dataset, split: str, x, outputs: int, budget: float | None):
+    """The output's Verdict (n, change, paired interval, pass/fail); None where it has nothing to be
+    judged by and no budget asks for one. With a budget, an output whose task has a metric but whose
+    data cannot score it is refused (NothingJudged): a gate never passes what it did not judge."""
+    if spec.kind.startswith("detection"):
+        return None  # judged together with the other head, by mAP (_detection)
+    has_metric = bool(task(spec.kind).primary)
+    targets = dataset.targets(split, spec.name if outputs > 1 else None)
+    inputs = x if not isinstance(x, dict) else None
+    try:
+        return judge(spec, ref, got, targets, inputs, budget)
+    except NothingJudged as exc:
+        if budget is None or (not has_metric and outputs > 1):
+            return None
+        raise NothingJudged(f"--max-drop {budget:g}: {exc}") from None
 
 
 def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path) -> dict | None:
@@ -277,26 +318,21 @@ def _count(x) -> int:
 
 
 def check_gate(result: EvalResult) -> None:
+    """Raise QualityGateError naming every output over the budget, with its n and interval."""
     if result.passed:
         return
-    over = [
-        f"output {o['name']}: {o['primary']} "
-        + (f"drop {o['drop']:.2f} pp" if o["unit"] == "pp" else f"+{o['drop']:.2f}%")
-        for o in result.outputs
-        if o["drop"] is not None and result.max_drop_pp is not None and o["drop"] > result.max_drop_pp
-    ]
+    over = [v for v in result.verdicts if v["passed"] is False]
+    lines = [_verdict_line(v) for v in over]
     if result.detection is not None and result.detection["drop"] > result.max_drop_pp:
         d = result.detection
-        raise QualityGateError(
-            f"{result.model}: mAP@0.5 drop {d['drop']:.2f} points exceeds --max-drop {result.max_drop_pp:g} "
-            f"({d['reference_map50']:.3f} -> {d['map50']:.3f})"
+        lines.append(
+            f"mAP@0.5 {d['reference_map50']:.3f} -> {d['map50']:.3f}, {d['drop']:.2f} points worse "
+            f"(n={d['images']} images, no interval: mAP is not resampled)"
         )
-    if len(result.outputs) == 1 and result.accuracy is not None and result.outputs[0]["primary"] == "accuracy":
-        raise QualityGateError(
-            f"{result.model}: accuracy drop {result.drop_pp:.2f} pp exceeds --max-drop {result.max_drop_pp:g} pp "
-            f"({result.reference_accuracy:.2%} -> {result.accuracy:.2%})"
-        )
-    raise QualityGateError(
-        f"{result.model}: {'; '.join(over)} exceeds --max-drop {result.max_drop_pp:g} (points of accuracy/AUC, "
-        "percent of RMSE for regression)"
-    )
+    raise QualityGateError(f"{result.model}: over --max-drop {result.max_drop_pp:g}: " + "; ".join(lines))
+
+
+def _verdict_line(record: dict) -> str:
+    from edgeq.verdicts import Verdict
+
+    return Verdict.from_dict(record).line()

@@ -1,4 +1,5 @@
-"""How far a quantized model's outputs are from the reference's: agreement, MAE, MSE, SQNR, cosine.
+"""How far a quantized model's outputs are from the reference's: agreement, MAE, MSE, SQNR, cosine;
+and what each task metric is to a person (``METRICS``: name, unit, direction, how a change is written).
 
 numpy only: ``evaluate`` (host), ``convert``'s verification and ``profile --compare``
 (device side) all measure with these.
@@ -77,7 +78,9 @@ def compare_outputs(reference: np.ndarray, quantized: np.ndarray) -> OutputCompa
     signal = float(np.sum(ref**2))
     sqnr = math.inf if noise == 0 else (10.0 * math.log10(signal / noise) if signal > 0 else -math.inf)
     norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(q, axis=1)
-    cos = np.where(norms > 0, np.sum(ref * q, axis=1) / np.where(norms > 0, norms, 1), 1.0)
+    # both all zero: the same output (1); one all zero: nothing in common (0), never a perfect 1
+    both_zero = (np.linalg.norm(ref, axis=1) == 0) & (np.linalg.norm(q, axis=1) == 0)
+    cos = np.where(norms > 0, np.sum(ref * q, axis=1) / np.where(norms > 0, norms, 1), np.where(both_zero, 1.0, 0.0))
     return OutputComparison(
         samples=len(ref),
         agreement=top1_agreement(reference, quantized),
@@ -98,3 +101,80 @@ def top1_agreement(reference: np.ndarray, quantized: np.ndarray) -> float:
         return float(np.mean(predicted_classes(reference) == predicted_classes(quantized)))
     flat = (len(reference), -1)
     return float(np.mean(np.reshape(reference, flat).argmax(1) == np.reshape(quantized, flat).argmax(1)))
+
+
+# ------------------------------------------------------------------------- what a metric is
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric as a person reads it: its name, unit, direction and how a change in it is written.
+
+    ``share``: a fraction of samples (accuracy), shown in % and changed in percentage points.
+    ``change``: the unit of a change (of ``worse_by``): "pp" (points of a share), "%" (relative to
+    the reference: an error such as RMSE), "points" (x100 of a 0..1 score: AUC, mAP), "" (absolute).
+    """
+
+    name: str
+    label: str
+    share: bool
+    higher_is_better: bool
+    change: str
+
+    @property
+    def unit(self) -> str:
+        """The unit of a value: "%" for a share, "" for a score or an error in the target's own units."""
+        return "%" if self.share else ""
+
+    def show(self, value: float | None) -> str:
+        if value is None or not math.isfinite(value):
+            return "-" if value is None else str(value)
+        return f"{value:.2%}" if self.share else f"{value:.4g}"
+
+    def worse_by(self, reference: float, value: float) -> float | None:
+        """How much worse ``value`` is than ``reference`` in ``change`` units (negative: better);
+        None when either is undefined."""
+        if not (math.isfinite(reference) and math.isfinite(value)):
+            return None
+        worse = reference - value if self.higher_is_better else value - reference
+        if self.change in ("pp", "points"):
+            return round(worse * 100.0, 4)
+        if self.change == "%":
+            return round(worse / abs(reference) * 100.0, 4) if reference else (0.0 if worse == 0 else math.inf)
+        return round(worse, 6)
+
+    def show_change(self, worse: float | None) -> str:
+        """A change as words: "0.83 pp worse", "+12.1% RMSE (worse)", "2.0 points better"."""
+        if worse is None or not math.isfinite(worse):
+            return "-" if worse is None else str(worse)
+        side = "worse" if worse > 0 else "better" if worse < 0 else "no change"
+        return f"{abs(worse):.2f} {self.change_label} {side}".strip() if worse else f"0 {self.change_label} (no change)"
+
+    @property
+    def change_label(self) -> str:
+        return {"pp": "pp", "points": "points", "%": f"% {self.label}"}.get(self.change, self.label)
+
+
+METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in (
+        Metric("accuracy", "accuracy", True, True, "pp"),
+        Metric("top5", "top-5 accuracy", True, True, "pp"),
+        Metric("exact_match", "exact match", True, True, "pp"),
+        Metric("agreement", "top-1 agreement with FP32", True, True, "pp"),
+        Metric("auc", "AUC", False, True, "points"),
+        Metric("pauc", "pAUC", False, True, "points"),
+        Metric("map50", "mAP@0.5", False, True, "points"),
+        Metric("map", "mAP@0.5:0.95", False, True, "points"),
+        Metric("mae", "MAE", False, False, "%"),
+        Metric("rmse", "RMSE", False, False, "%"),
+        Metric("max_error", "max error", False, False, "%"),
+        Metric("reconstruction_mse", "reconstruction MSE", False, False, "%"),
+        Metric("r2", "R\u00b2", False, True, ""),
+    )
+}
+
+
+def metric(name: str) -> Metric:
+    """The Metric row of ``name`` (an unknown name reads as an error in the target's units, lower better)."""
+    return METRICS.get(name) or Metric(name, name, False, False, "%")

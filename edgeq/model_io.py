@@ -302,6 +302,70 @@ def concatenated_outputs(model, x, ratio: float = 10.0) -> list[str]:
     return found
 
 
+# Losses a file's compile config may name, by what they make the output: a classifier's cross-entropy,
+# a sigmoid's binary cross-entropy, or an error on values.
+_LOSS_TASKS = {
+    "sparsecategoricalcrossentropy": "classification",
+    "categoricalcrossentropy": "classification",
+    "categoricalfocalcrossentropy": "classification",
+    "binarycrossentropy": "sigmoid",
+    "binaryfocalcrossentropy": "sigmoid",
+    "meansquarederror": "regression",
+    "mse": "regression",
+    "meanabsoluteerror": "regression",
+    "mae": "regression",
+    "huber": "regression",
+    "logcosh": "regression",
+}
+
+
+def _loss_task(loss) -> tuple[str, bool] | None:
+    """(task family, from_logits) of one serialized loss: a name or {"class_name", "config"}."""
+    if isinstance(loss, dict) and "class_name" in loss:
+        name, config = str(loss["class_name"]), loss.get("config") or {}
+    elif isinstance(loss, str):
+        name, config = loss, {}
+    else:
+        return None
+    family = _LOSS_TASKS.get(name.replace("_", "").lower())
+    return None if family is None else (family, bool(config.get("from_logits", False)))
+
+
+def compiled_tasks(path, names: list[str]) -> dict[str, tuple[str, bool]]:
+    """What the model file's own compile config says of each output: (family, from_logits).
+
+    Read from the file (``config.json``'s ``compile_config`` in a Keras 3 zip, ``training_config``
+    of an .h5), never by compiling; {} where the file was saved without one.
+    """
+    import json
+    import zipfile
+
+    path = Path(path)
+    try:
+        if path.suffix == ".keras" and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                config = json.loads(z.read("config.json")).get("compile_config") or {}
+        elif path.suffix in (".h5", ".hdf5"):
+            import h5py
+
+            with h5py.File(path, "r") as f:
+                raw = f.attrs.get("training_config")
+            config = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw is not None else {}
+        else:
+            return {}
+    except (OSError, KeyError, ValueError):
+        return {}
+    loss = config.get("loss")
+    if isinstance(loss, dict) and "class_name" not in loss:
+        per_output = {str(k): v for k, v in loss.items()}
+    elif isinstance(loss, (list, tuple)):
+        per_output = dict(zip(names, loss))
+    else:
+        per_output = {name: loss for name in names} if loss is not None else {}
+    found = {name: _loss_task(v) for name, v in per_output.items() if name in names}
+    return {name: got for name, got in found.items() if got is not None}
+
+
 def output_specs(model, declared: str | None = None, source_path=None, dataset=None) -> list:
     """What each output of ``model`` is (edgeq.tasks.OutputSpec), in the model's order.
 
@@ -327,4 +391,5 @@ def output_specs(model, declared: str | None = None, source_path=None, dataset=N
         output_activations(model),
         targets,
         next(iter(shapes.values())) if len(shapes) == 1 else None,
+        compiled_tasks(source_path, names) if source_path else None,
     )

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from edgeq.errors import DataError, UsageError
-from edgeq.metrics import OutputComparison, class_scores, compare_outputs
+from edgeq.metrics import Metric, OutputComparison, class_scores, compare_outputs, metric
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,13 @@ class Task:
     metrics: tuple[str, ...]  # what ``score`` reports
     primary: str  # the metric a budget (--max-drop) reads
     higher_is_better: bool
-    unit: str  # of a drop in the primary metric: "pp" (percentage points) or "%" (relative increase)
+    unit: str  # of a change in the primary metric: "pp" (percentage points) or "%" (relative increase)
     classes: bool  # outputs are class scores: top-1 agreement is meaningful
+
+    @property
+    def metric(self) -> Metric | None:
+        """The primary metric's row; None for a task judged only by output error (other, detection heads)."""
+        return metric(self.primary) if self.primary else None
 
 
 TASKS: dict[str, Task] = {
@@ -370,18 +375,12 @@ def score(spec: OutputSpec, outputs: np.ndarray, targets: np.ndarray | None, inp
 
 
 def drop(spec: OutputSpec, reference: dict, quantized: dict) -> float | None:
-    """How much the primary metric got worse: points for fractions (accuracy, AUC), percent
-    for an error (RMSE); None when the task has no primary metric or it was not measured."""
-    row = task(spec.kind)
-    key = row.primary
-    if not key or key not in reference or key not in quantized:
+    """How much worse the primary metric got, in its change unit (points of accuracy or AUC, percent
+    of an error such as RMSE); None when the task has no primary metric or it was not measured."""
+    row = task(spec.kind).metric
+    if row is None or row.name not in reference or row.name not in quantized:
         return None
-    ref, got = reference[key], quantized[key]
-    if not (math.isfinite(ref) and math.isfinite(got)):
-        return None
-    if row.unit == "pp":
-        return round((ref - got) * 100.0, 4)
-    return round((got - ref) / ref * 100.0, 4) if ref > 0 else (0.0 if got == ref else math.inf)
+    return row.worse_by(reference[row.name], quantized[row.name])
 
 
 def compare(spec: OutputSpec, reference: np.ndarray, quantized: np.ndarray) -> OutputComparison:
@@ -416,6 +415,19 @@ class OutputResult:
     comparison: OutputComparison | None = None
 
 
+def _compiled_kind(family: str, shape: tuple[int, ...], input_shape) -> str | None:
+    """The task a compile config's loss family gives an output of ``shape`` (None: let the rest decide)."""
+    units = int(np.prod(shape)) if len(shape) else 1
+    scores_like = len([d for d in shape if d != 1]) <= 1
+    if family == "classification" and scores_like and units > 1:
+        return "classification"
+    if family == "sigmoid" and scores_like:
+        return "binary" if units == 1 else "multilabel"
+    if family == "regression" and not (input_shape is not None and tuple(shape) == tuple(input_shape)):
+        return "regression"
+    return None
+
+
 def specs_for(
     names: list[str],
     shapes: Mapping[str, tuple[int, ...]],
@@ -424,15 +436,23 @@ def specs_for(
     activations: Mapping[str, str | None] | None = None,
     targets: Mapping[str, np.ndarray | None] | None = None,
     input_shape: tuple[int, ...] | None = None,
+    compiled: Mapping[str, tuple[str, bool]] | None = None,
 ) -> list[OutputSpec]:
-    """Each output's OutputSpec: declared (--task) wins, then what a run or manifest recorded,
-    then what the output's activation, shape and the data's targets say."""
+    """Each output's OutputSpec: declared (--task) wins, then what a run or manifest recorded as declared,
+    then the model file's compile config (its loss: a from_logits cross-entropy is a logits classifier),
+    then an inference recorded, then what the output's activation, shape and the data's targets say."""
     specs = []
     for name in names:
         shape = tuple(int(d) for d in shapes.get(name, ()))
         rec = (recorded or {}).get(name) or {}
+        family, logits = (compiled or {}).get(name) or (None, False)
+        from_compile = _compiled_kind(family, shape, input_shape) if family else None
         if declared and name in declared:
             kind, source = declared[name], "declared"
+        elif rec.get("task") and rec.get("task_source") in ("declared", "compiled"):
+            kind, source = str(rec["task"]), "recorded"  # what the user or the file said when it was trained
+        elif from_compile is not None:
+            kind, source = from_compile, "compiled"
         elif rec.get("task") and not (rec.get("task_source") == "inferred" and (targets or {}).get(name) is not None):
             kind, source = str(rec["task"]), "recorded"  # an inference without targets yields to one with them
         else:
@@ -441,7 +461,8 @@ def specs_for(
             source = "inferred"
         task(kind)
         threshold = float(rec.get("threshold", 0.5))
-        if (activations or {}).get(name) not in (None, "sigmoid") and kind in ("binary", "multilabel"):
+        activation = (activations or {}).get(name)
+        if kind in ("binary", "multilabel") and (logits or activation not in (None, "sigmoid")):
             threshold = 0.0  # logits: class 1 from 0
         specs.append(OutputSpec(name, kind, shape, threshold, source))
     return specs

@@ -113,18 +113,19 @@ def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run, tmp_pa
         judged = evaluate(path, out / "fp32.keras", "digits", split="val")
         assert comparison[key]["value"] == pytest.approx(judged.accuracy, abs=1e-9)
     low, high = comparison["interval95"]
-    diff = comparison["qat_minus_ptq"]
-    assert low <= diff <= high
+    gain = comparison["qat_gain"]  # points of accuracy QAT is better by
+    assert gain == pytest.approx((comparison["qat"]["value"] - comparison["ptq"]["value"]) * 100, abs=1e-3)
+    assert low <= gain <= high and comparison["change_unit"] == "pp"
     assert comparison["within_noise"] == (low <= 0 <= high)
     line = summary(comparison)
-    assert "PTQ of fp32" in line and "95% CI" in line
+    assert "PTQ of fp32" in line and "95% CI" in line and f"n={comparison['samples']}" in line
     run = json.loads((out / "run.json").read_text())
     assert run["int8_comparison"] == json.loads(json.dumps(comparison))
     assert set(run["artifacts"]) >= {"ptq_int8.tflite", "qat_int8.tflite"}
 
 
 def test_paired_interval_sees_a_real_difference_and_none_where_there_is_none():
-    from edgeq.analysis.qat_gain import paired_interval
+    from edgeq.verdicts import paired_interval
 
     rng = np.random.default_rng(1)
     truth = rng.integers(0, 2, 2000)
@@ -133,12 +134,12 @@ def test_paired_interval_sees_a_real_difference_and_none_where_there_is_none():
     b = truth.copy()
     b[1900:] = 1 - b[1900:]  # also 95% right, different samples
 
-    def acc(pred, idx):
-        return float(np.mean(pred[idx] == truth[idx]))
+    def gain(pred):
+        return lambda idx: float(np.mean(pred[idx] == truth[idx]) - np.mean(a[idx] == truth[idx]))
 
-    low, high = paired_interval(acc, a, b)
-    assert low < 0 < high  # equal accuracy: the interval holds 0
+    (low, high), undefined = paired_interval(gain(b), len(truth))
+    assert low < 0 < high and undefined == 0  # equal accuracy: the interval holds 0
     c = truth.copy()
     c[:20] = 1 - c[:20]  # 99% right, its errors a subset of a's
-    low, high = paired_interval(acc, a, c)
+    (low, high), _ = paired_interval(gain(c), len(truth))
     assert 0 < low < 0.04 < high < 0.06  # +4 points, told apart from noise

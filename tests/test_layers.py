@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.errors",),
     ("edgeq.numerics", "edgeq.quantize.ranges"),  # numpy: range methods and observers
     ("edgeq.metrics",),
-    ("edgeq.tasks", "edgeq.detection"),
+    ("edgeq.tasks", "edgeq.detection", "edgeq.verdicts"),
     ("edgeq.shims.litert",),
     ("edgeq.artifacts",),
     ("edgeq.runtime",),

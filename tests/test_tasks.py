@@ -169,7 +169,8 @@ def test_eval_profile_and_report_judge_each_output_by_its_task(cli, face, tmp_pa
     assert "face_prob (classification): accuracy" in result.stdout and "bbox_reg (regression): rmse" in result.stdout
     # a budget on every output's own metric: an impossible one fails, naming the output
     gated = cli("eval", out, "--reference", face / "onet.keras", "--data", data, "--max-drop", "-50")
-    assert gated.exit_code == 4 and "output face_prob: accuracy drop" in gated.stderr, gated.output
+    assert gated.exit_code == 4 and "face_prob: accuracy 100.00% -> " in gated.stderr, gated.output
+    assert "bbox_reg: RMSE" in gated.stderr and "% RMSE worse (n=80, 95% CI" in gated.stderr, gated.stderr
 
     np.savez(tmp_path / "device.npz", **{k: v for k, v in np.load(face / "faces.npz").items()})
     profiled = cli(
@@ -275,7 +276,7 @@ def test_regression_and_an_anomaly_autoencoder_train_qat_convert_and_eval(cli, t
     if compare:  # PTQ vs QAT by the autoencoder's AUC on val, anomalies included
         gain = run["int8_comparison"]
         assert gain["metric"] == "auc" and all(0.6 < gain[k]["value"] <= 1.0 for k in ("ptq", "qat")), gain
-        assert "int8 on val (auc)" in trained.output
+        assert "int8 on val (AUC, n=" in trained.output
     task = "regression" if recipe == "diabetes-regression" else "reconstruction"
     assert [o["task"] for o in run["outputs"]] == [task]
     assert run["results"][0]["metric"] == ("rmse" if task == "regression" else "auc")

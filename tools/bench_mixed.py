@@ -5,7 +5,7 @@ The photo task is bench_ptq's (crops of scikit-learn's two sample photos labelle
 random CNN), 6,000 samples, so the test split holds 1,200. Each architecture is trained from
 scratch at 32x32 as bench_ptq trains it; every quantized model is then scored on the test split
 against the FP32 model on the same samples: accuracy, the paired difference with a bootstrap 95%
-interval (edgeq.analysis.qat_gain.paired_interval, 1,000 resamples), size, single-thread latency
+interval (edgeq.verdicts.paired_interval, 1,000 resamples), size, single-thread latency
 on this CPU (edgeq's profile, LiteRT), and for the mixed model the share of ops at 16-bit.
 
 `python tools/bench.py --only mixed` (EDGEQ_BENCH_MIXED_ARCHS=EfficientNetB0,... to choose).
@@ -55,13 +55,15 @@ def _fp32(name: str, data: str, folder: Path) -> Path:
 
 def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict:
 
-    from edgeq.analysis.qat_gain import paired_interval
     from edgeq.runtime.flatbuffer import op_summary, read_tflite
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import profile_model
+    from edgeq.verdicts import paired_interval
 
     correct = (TFLiteModel(path, use_default_delegates=False).predict(x, batch_size=1).argmax(-1) == y).astype(float)
-    low, high = paired_interval(lambda c, idx: 100 * c[idx].mean(), fp32_correct, correct, resamples=RESAMPLES)
+    (low, high), _ = paired_interval(
+        lambda idx: 100 * (correct[idx].mean() - fp32_correct[idx].mean()), len(correct), resamples=RESAMPLES
+    )
     ops = op_summary(read_tflite(path))
     run = profile_model(path, runs=100, warmup=10, progress=False).model.runs[0]
     return {

@@ -25,8 +25,10 @@ import numpy as np
 from edgeq.analysis.sensitivity import exact_sensitivity, load_fp32_with_data, quality_of
 from edgeq.artifacts import write_json_atomic
 from edgeq.errors import UsageError
+from edgeq.metrics import metric
 from edgeq.quantize.calibration import calibrate, predict
 from edgeq.transforms.int4 import int4_weight_copy
+from edgeq.verdicts import judge
 
 FALLBACKS = ("float", "int16")  # what a layer that int8 hurts becomes
 # Up to this many layers, the int16 plan tries each layer alone at 16-bit to rank them (a
@@ -63,6 +65,10 @@ class PlanResult:
     seconds: float
     fallback: str = "float"  # what a sensitive layer becomes: float | int16
     label_free: bool = False  # measured as agreement with FP32 (the data has no labels)
+    # what every "accuracy" above measures (the output's task metric: accuracy, RMSE, AUC...) and on how many
+    metric: str = "accuracy"
+    samples: int = 0
+    verdict: dict | None = None  # the chosen plan vs FP32: change, n, paired 95% interval (edgeq.tasks.Verdict)
 
 
 def _weight_count(model, layers) -> int:
@@ -170,6 +176,7 @@ def make_plan(
     if len(x) == 0:
         raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")
     quality = quality_of(model, model_path, dataset, split, task_spec)
+    seen: dict[tuple, np.ndarray] = {}  # each measured plan's outputs, by the layers it moved
     if fallback == "int16":
         from edgeq.quantize.mixed import calibrate_mixed
 
@@ -179,19 +186,26 @@ def make_plan(
 
         def measure(wide: list[str]) -> PlanPoint:
             model_bytes = cal.quantize(wide)
-            acc = quality.value(predict(model_bytes, x))
-            return PlanPoint((), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes), (), tuple(wide))
+            out = predict(model_bytes, x)
+            acc = quality.value(out)
+            point = PlanPoint((), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes), (), tuple(wide))
+            seen[point.changed] = out
+            return point
 
     else:
         cal = calibrate(model, dataset, samples, per_tensor, ranges)
         if not cal.nodes:
             raise UsageError(f"{model_path}: the converter quantized no layer: there is nothing to plan")
-        fp32_acc = quality.value(predict(cal.float_model, x))
+        reference = predict(cal.float_model, x)
+        fp32_acc = quality.value(reference)
 
         def measure(float_layers: list[str]) -> PlanPoint:
             model_bytes = cal.quantize(cal.nodes_of_layers(float_layers))
-            acc = quality.value(predict(model_bytes, x))
-            return PlanPoint(tuple(float_layers), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes))
+            out = predict(model_bytes, x)
+            acc = quality.value(out)
+            point = PlanPoint(tuple(float_layers), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes))
+            seen[point.changed] = out
+            return point
 
     frontier = [measure([])]
     int8_acc = frontier[0].accuracy
@@ -213,16 +227,23 @@ def make_plan(
     if fallback == "float" or len(cal.layers) <= EXACT_LAYERS:
         _greedy(ranking, measure, max_drop_pp, frontier)
     meeting = sorted((p for p in frontier if p.drop_pp <= max_drop_pp), key=lambda p: (len(p.changed), p.drop_pp))
-    best = meeting[0] if meeting else max(frontier, key=lambda p: (p.accuracy, -len(p.changed)))
+    # none meets the budget: the least worse plan (drop_pp is "worse by" whatever the metric's direction)
+    best = meeting[0] if meeting else min(frontier, key=lambda p: (p.drop_pp, len(p.changed)))
     if int4 and meeting:
         best = _int4_layers(
             model, dataset, samples, per_tensor, ranges, ranked, best, x, quality, fp32_acc, frontier, max_drop_pp
         )
     out = Path(out)
+    verdict = None
+    if best.changed in seen and not best.int4_layers:
+        verdict = judge(
+            quality.spec, reference, seen[best.changed], quality.targets, quality.inputs, max_drop_pp, quality.metric
+        ).to_dict()
     record = _plan_record(
         model_path, f"{data} ({split})", max_drop_pp, fallback, quality, (fp32_acc, int8_acc), best, bool(meeting),
         per_tensor, ranges, ranking, frontier,
     )  # fmt: skip
+    record.update(verdict=verdict, samples=len(x), **_metric_fields(quality.metric))
     write_json_atomic(out, record)
     return PlanResult(
         out,
@@ -237,7 +258,16 @@ def make_plan(
         round(time.perf_counter() - start, 3),
         fallback,
         quality.label_free,
+        quality.metric,
+        len(x),
+        verdict,
     )
+
+
+def _metric_fields(name: str) -> dict:
+    """What the plan file's accuracy, drop_pp and max_drop_pp hold: the metric, its unit, its change unit."""
+    row = metric(name)
+    return {"metric": name, "unit": row.unit, "change_unit": row.change, "higher_is_better": row.higher_is_better}
 
 
 def _plan_record(
@@ -312,14 +342,15 @@ def save_frontier_chart(result: PlanResult, path) -> None:
     from edgeq.artifacts import atomic_path
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    row = metric(result.metric)
     sizes = [p.size_bytes / 1024 for p in result.frontier]
-    accs = [p.accuracy * 100 for p in result.frontier]
-    ax.plot(sizes, accs, "o-", color="#4062bb")
-    for p, s, a in zip(result.frontier, sizes, accs):
+    worse = [p.drop_pp for p in result.frontier]  # in the metric's change unit, whatever its direction
+    ax.plot(sizes, worse, "o-", color="#4062bb")
+    for p, s, a in zip(result.frontier, sizes, worse):
         ax.annotate(str(len(p.changed)), (s, a), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.axhline(result.fp32_accuracy * 100 - result.max_drop_pp, color="#c33", lw=0.8, ls="--", label="budget")
+    ax.axhline(result.max_drop_pp, color="#c33", lw=0.8, ls="--", label="budget")
     ax.set_xlabel("model size (KiB)")
-    ax.set_ylabel(f"accuracy on {result.data} (%)")
+    ax.set_ylabel(f"{row.label} worse than FP32 ({row.change_label})")
     moved = "at 16-bit" if result.fallback == "int16" else "kept float"
     ax.set_title(f"plans tried (label: layers {moved})")
     ax.legend()

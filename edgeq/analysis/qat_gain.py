@@ -18,27 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import EdgeqError
+from edgeq.metrics import metric as metric_row
+from edgeq.verdicts import paired_interval
 
 log = logging.getLogger(__name__)
 
 PTQ_NAME = "ptq_int8.tflite"
 QAT_INT8_NAME = "qat_int8.tflite"
-RESAMPLES = 500
-
-
-def paired_interval(scores, a: np.ndarray, b: np.ndarray, resamples: int = RESAMPLES, seed: int = 0) -> tuple:
-    """95% interval of scores(b) - scores(a) over ``resamples`` paired resamples of the sample indices."""
-    n = len(a)
-    rng = np.random.default_rng(seed)
-    diffs = []
-    for _ in range(resamples):
-        idx = rng.integers(0, n, n)
-        diffs.append(scores(b, idx) - scores(a, idx))
-    finite = [d for d in diffs if math.isfinite(d)]
-    if not finite:
-        return (float("nan"), float("nan"))
-    low, high = np.percentile(finite, [2.5, 97.5])
-    return float(low), float(high)
 
 
 def _convert(source: Path, out: Path) -> dict:
@@ -133,35 +119,39 @@ def compare_int8(out_dir: Path, fp32: Path, qat: Path, dataset, spec, targets, s
     def at(out, idx):
         return score(spec, out[idx], targets[idx], inputs[idx] if inputs is not None else None).get(metric, math.nan)
 
-    higher = task(spec.kind).higher_is_better
-    diff = models["qat"]["value"] - models["ptq"]["value"]
-    low, high = paired_interval(at, outputs["ptq"], outputs["qat"])
-    record["qat_minus_ptq"] = diff
+    row = metric_row(metric)
+    ptq, qat = models["ptq"]["value"], models["qat"]["value"]
+    # how much better QAT is than PTQ, in the metric's change unit, over paired resamples of the same samples
+    gain = row.worse_by(qat, ptq)
+
+    def gain_at(idx):
+        got = row.worse_by(at(outputs["qat"], idx), at(outputs["ptq"], idx))
+        return math.nan if got is None else got
+
+    (low, high), undefined = paired_interval(gain_at, n)
+    record["qat_gain"] = gain
+    record["change_unit"] = row.change
     record["interval95"] = [low, high]
-    record["within_noise"] = bool(low <= 0.0 <= high)
-    gain = diff if higher else -diff
-    record["better"] = None if not math.isfinite(gain) else "qat" if gain > 0 else "ptq" if gain < 0 else "tie"
+    record["undefined_resamples"] = undefined
+    record["within_noise"] = bool(math.isfinite(low) and low <= 0.0 <= high) or not math.isfinite(low)
+    record["better"] = None if gain is None else "qat" if gain > 0 else "ptq" if gain < 0 else "tie"
     return record
 
 
 def summary(record: dict) -> str:
-    """One line for the terminal: both values, the difference with its interval, the better one."""
-    metric = record.get("metric") or "metric"
-    percent = metric in ("accuracy", "auc", "agreement", "top5", "pauc")
-
-    def shown(v):
-        return f"{v:.2%}" if percent else f"{v:.4g}"
-
+    """One line for the terminal: both values, QAT's gain with n and its interval, the better one."""
+    row = metric_row(record.get("metric") or "")
     parts = []
     for name, label in (("ptq", "PTQ of fp32"), ("qat", "QAT")):
-        row = record.get(name, {})
-        parts.append(f"{label} {'failed' if 'error' in row else shown(row['value']) if 'value' in row else '-'}")
-    line = f"int8 on {record['split']} ({metric}): " + ", ".join(parts)
-    if "qat_minus_ptq" in record:
+        got = record.get(name, {})
+        parts.append(f"{label} {'failed' if 'error' in got else row.show(got['value']) if 'value' in got else '-'}")
+    n = f", n={record['samples']}" if "samples" in record else ""
+    line = f"int8 on {record['split']} ({row.label}{n}): " + ", ".join(parts)
+    if record.get("qat_gain") is not None:
         low, high = record["interval95"]
-        scale, unit, form = (100.0, " pp", "+.2f") if percent else (1.0, "", "+.3g")
-        diff = record["qat_minus_ptq"] * scale
-        line += f"; QAT - PTQ {diff:{form}}{unit} (95% CI {low * scale:{form}}..{high * scale:{form}})"
+        unit = row.change_label
+        interval = f"95% CI {low:+.2f}..{high:+.2f} {unit}" if math.isfinite(low) else "95% CI undefined"
+        line += f"; QAT better by {record['qat_gain']:+.2f} {unit} ({interval})"
         if record["within_noise"]:
             line += ": within noise"
         elif record.get("better"):

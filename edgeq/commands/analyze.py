@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from edgeq.commands.ui import table
+from edgeq.metrics import metric
 from edgeq.quantize.ranges import ACTIVATION_METHODS
 
 _ranges_option = click.option(
@@ -119,8 +120,11 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
     from edgeq.artifacts import write_json_atomic
 
     report = analyze_sensitivity(model, data, method, calib_samples, split, granularity == "per-tensor", ranges=ranges)
+    row = metric(report.metric)
     click.echo(
-        f"{report.data}: FP32 {report.fp32_accuracy:.2%}, full INT8 {report.int8_accuracy:.2%} ({ranges} ranges)"
+        f"{report.data}, {report.samples} samples: {row.label} FP32 {row.show(report.fp32_accuracy)}, "
+        f"full INT8 {row.show(report.int8_accuracy)}, "
+        f"{row.show_change(row.worse_by(report.fp32_accuracy, report.int8_accuracy))} ({ranges} ranges)"
     )
     if report.fast:
         click.echo(f"\nfast (QuantizationDebugger, {report.seconds_fast:.1f} s): lowest channel SQNR first")
@@ -142,15 +146,23 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
             )
         )
     if report.exact:
-        click.echo(f"\nexact ({report.seconds_exact:.1f} s): accuracy regained by keeping the layer float first")
+        unit = row.change_label
+        click.echo(f"\nexact ({report.seconds_exact:.1f} s): {row.label} regained by keeping the layer float first")
         click.echo(
             table(
-                ["layer", "all but this", "only this", "gain pp", "loss pp", "MSE only this"],
+                [
+                    "layer",
+                    f"{row.label} all but this",
+                    "only this",
+                    f"gain ({unit})",
+                    f"loss ({unit})",
+                    "MSE only this",
+                ],
                 [
                     (
                         e.layer,
-                        f"{e.accuracy_all_but_this:.2%}",
-                        f"{e.accuracy_only_this:.2%}",
+                        row.show(e.accuracy_all_but_this),
+                        row.show(e.accuracy_only_this),
                         f"{e.gain_pp:+.2f}",
                         f"{e.loss_pp:+.2f}",
                         f"{e.mse_only_this:.3g}",
@@ -168,7 +180,13 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
 @analyze.command("plan")
 @click.argument("model", type=click.Path())
 @click.option("--data", required=True, help="digits | synthetic:... | npz:PATH | images:DIR")
-@click.option("--max-drop", "max_drop", type=float, required=True, help="Accuracy budget vs FP32, in points.")
+@click.option(
+    "--max-drop",
+    "max_drop",
+    type=float,
+    required=True,
+    help="Budget vs FP32 in the task metric's change unit: points of accuracy or AUC, % of RMSE.",
+)
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Plan file (JSON) to write.")
 @click.option("--calib-samples", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option(
@@ -199,6 +217,7 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`."""
     from edgeq.analysis.plan import make_plan, save_frontier_chart
     from edgeq.errors import QualityGateError
+    from edgeq.verdicts import Verdict
 
     result = make_plan(
         model,
@@ -213,18 +232,21 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
         fallback=fallback,
     )
     moved = "layers at 16-bit" if fallback == "int16" else "layers kept float"
+    row = metric(result.metric)
+    unit = row.change_label
     click.echo(
-        f"{result.data}: FP32 {result.fp32_accuracy:.2%}, full INT8 {result.int8_accuracy:.2%}, budget {max_drop:g} pp"
+        f"{result.data}, {result.samples} samples: {row.label} FP32 {row.show(result.fp32_accuracy)}, "
+        f"full INT8 {row.show(result.int8_accuracy)}, budget {max_drop:g} {unit} worse"
         + (" (no labels: accuracy is top-1 agreement with FP32)" if result.label_free else "")
     )
     click.echo(
         table(
-            [moved, "INT4 weights", "accuracy", "drop pp", "size KiB"],
+            [moved, "INT4 weights", row.label, f"worse by ({unit})", "size KiB"],
             [
                 (
                     _names(p.changed) or "(none: full INT8)",
                     ", ".join(p.int4_layers) or "-",
-                    f"{p.accuracy:.2%}",
+                    row.show(p.accuracy),
                     f"{p.drop_pp:+.2f}",
                     f"{p.size_bytes / 1024:.1f}",
                 )
@@ -234,11 +256,13 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     )
     if plot_path:
         save_frontier_chart(result, plot_path)
+    if result.verdict is not None:  # the chosen plan: its change with n and the paired interval
+        click.echo(f"chosen plan: {Verdict.from_dict(result.verdict).line()}")
     click.echo(f"plan: {result.path}")
     if not result.met:
         raise QualityGateError(
-            f"no plan meets --max-drop {max_drop:g} pp: the best ({len(result.best.changed)} {moved}) "
-            f"drops {result.best.drop_pp:.2f} pp; it is saved in {result.path}"
+            f"no plan meets --max-drop {max_drop:g} {unit}: the best ({len(result.best.changed)} {moved}) "
+            f"is {result.best.drop_pp:.2f} {unit} worse; it is saved in {result.path}"
         )
 
 

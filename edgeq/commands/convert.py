@@ -176,6 +176,8 @@ def convert(
     if json_out:
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
         return
+    from edgeq.verdicts import Verdict
+
     v = result.verification
     rows = []
     for o in v.outputs or ({"name": "", "agreement": v.agreement, "sqnr_db": v.sqnr_db, "passed": v.passed},):
@@ -197,6 +199,10 @@ def convert(
     click.echo(
         table(["model", "mode", "size", "input", "output", "integer-only", "agreement", "SQNR dB", "verified"], rows)
     )
+    click.echo(f"verified on {v.samples} {v.data}")
+    for o in v.outputs:
+        if o.get("verdict"):  # the task metric on the labelled verification samples, with n and interval
+            click.echo(f"task metric: {Verdict.from_dict(o['verdict']).line()}")
     for note in result.notes:
         click.echo(f"note: {note}")
     click.echo(f"manifest: {result.manifest}")

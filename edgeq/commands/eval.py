@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from edgeq.commands.ui import table
+from edgeq.metrics import metric
 
 
 @click.command("eval")
@@ -34,6 +35,7 @@ def eval_command(model, reference, data, split, max_drop, json_path, task):
 
     from edgeq.artifacts import write_json_atomic
     from edgeq.evaluation import check_gate, evaluate
+    from edgeq.verdicts import Verdict
 
     r = evaluate(model, reference, data, split, max_drop, task)
     if json_path == "-":
@@ -41,17 +43,15 @@ def eval_command(model, reference, data, split, max_drop, json_path, task):
     else:
         click.echo(f"{r.data}: {r.samples} samples" + ("" if r.labelled else " (no labels: outputs compared only)"))
         click.echo(table(["metric", "FP32 reference", f"{r.model_dtype} model"], _rows(r)))
+        for verdict in r.verdicts:  # each judged output: the change with its n and paired interval
+            click.echo(Verdict.from_dict(verdict).line())
         if json_path:
             write_json_atomic(json_path, r.to_dict())
     check_gate(r)
 
 
 def _value(name: str, value) -> str:
-    if value is None:
-        return "-"
-    if name in ("accuracy", "top5", "exact_match"):
-        return f"{value:.2%}"
-    return f"{value:.4g}"
+    return metric(name).show(value)
 
 
 def _rows(r) -> list[tuple]:
@@ -65,8 +65,8 @@ def _rows(r) -> list[tuple]:
                 (prefix + key, _value(key, o["reference_metrics"].get(key)), _value(key, o["metrics"].get(key)))
             )
         if o["drop"] is not None:
-            what = "drop (pp)" if o["unit"] == "pp" else "increase (%)"
-            rows.append((f"{prefix}{o['primary']} {what}", "", f"{o['drop']:+.2f}"))
+            row = metric(o["primary"])
+            rows.append((f"{prefix}{row.label} change", "", row.show_change(o["drop"])))
         c = o["comparison"]
         if c["agreement"] is not None:
             rows.append((f"{prefix}top-1 agreement", "", f"{c['agreement']:.2%}"))

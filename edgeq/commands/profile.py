@@ -22,6 +22,7 @@ from edgeq.commands.ui import (
     write_json_output,
 )
 from edgeq.errors import UsageError
+from edgeq.metrics import metric
 
 
 def parse_threads(text: str) -> tuple[int, ...]:
@@ -125,17 +126,19 @@ def render(report) -> str:
             )
     if report.comparison:
         rows = []
+        label = "task metric"
         for c in report.comparison:
-            drop = "n/a" if c.accuracy_drop is None else f"{100 * c.accuracy_drop:+.2f} pt"
+            row = metric(c.metric) if c.metric else None
+            label = row.label if row else label
+            drop = "n/a" if row is None or c.accuracy_drop is None else row.show_change(c.accuracy_drop)
             rows.append([str(c.threads), f"{c.speedup:.2f}x", f"{c.size_ratio:.3f}", drop])
-        lines += ["", table(["threads", "speedup", "size ratio", "accuracy drop"], rows, numbers=True)]
+        lines += ["", table(["threads", "speedup", "size ratio", f"{label} vs reference"], rows, numbers=True)]
     return "\n".join(lines)
 
 
 def _metric(name: str, value) -> str:
-    if value is None:
-        return f"{name} n/a"
-    return f"{name} {value:.2%}" if name in ("accuracy", "top5", "exact_match") else f"{name} {value:.4g}"
+    row = metric(name)
+    return f"{row.label} n/a" if value is None else f"{row.label} {row.show(value)}"
 
 
 @click.command("profile")

@@ -29,6 +29,7 @@ from edgeq import __version__
 from edgeq.artifacts import atomic_path, sha256_bytes
 from edgeq.detection import GROUND_TRUTH
 from edgeq.errors import DataError, MissingExtraError, ModelLoadError, UsageError
+from edgeq.metrics import metric
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
     Normalization,
@@ -127,9 +128,10 @@ class ModelFacts:
 class AccuracyStats:
     samples: int
     labelled: bool
-    accuracy: float | None  # the first output's primary metric (top-1 of a classifier); None without labels
+    accuracy: float | None  # the first output's primary metric (``metric``); None without labels
     outputs: tuple[dict, ...] = ()  # each output: name, task, its task's metrics (edgeq.tasks.score)
     detection: dict | None = None  # a detector on data with boxes: decoded here; mAP here or by the host
+    metric: str | None = None  # what ``accuracy`` holds: accuracy, rmse, auc, map50 (edgeq.tasks.METRICS)
 
 
 @dataclass(frozen=True)
@@ -160,9 +162,11 @@ class Comparison:
     threads: int
     speedup: float  # reference median / model median
     size_ratio: float  # model bytes / reference bytes
-    accuracy_drop: float | None  # reference accuracy - model accuracy
+    accuracy_drop: float | None  # how much worse the model's metric is, in change_unit (negative: better)
     top1_agreement: float | None
     max_abs_error: float | None
+    metric: str | None = None  # what accuracy_drop measures (the first output's task metric)
+    change_unit: str | None = None  # of accuracy_drop: "pp", "%" (of an error such as RMSE), "points"
 
 
 @dataclass(frozen=True)
@@ -616,7 +620,7 @@ def _accuracy(
     """Each output scored by its task against the data's labels (the same scoring as edgeq eval)."""
     if data.y is None:
         return AccuracyStats(samples=data.count, labelled=False, accuracy=None)
-    rows, first = [], None
+    rows, first, first_metric = [], None, None
     for spec in specs:
         targets = data.targets(spec.name, len(specs))
         if spec.kind in ("classification", "binary") and targets is not None:
@@ -631,8 +635,8 @@ def _accuracy(
         rows.append({"name": spec.name, "task": spec.kind, "metrics": metrics})
         primary = TASKS[spec.kind].primary
         if first is None and primary in metrics:
-            first = metrics[primary]
-    return AccuracyStats(samples=data.count, labelled=True, accuracy=first, outputs=tuple(rows))
+            first, first_metric = metrics[primary], primary
+    return AccuracyStats(samples=data.count, labelled=True, accuracy=first, outputs=tuple(rows), metric=first_metric)
 
 
 def _detect(path: Path, outputs: dict, data: DeviceSamples, accuracy: AccuracyStats):
@@ -656,7 +660,9 @@ def _detect(path: Path, outputs: dict, data: DeviceSamples, accuracy: AccuracySt
         found["scored_by"] = "pycocotools on this device"
     except MissingExtraError:
         found |= {"map": None, "map50": None, "scored_by": "the host (pycocotools is not installed here)"}
-    return dataclasses.replace(accuracy, detection=found, accuracy=found.get("map50")), tuple(detections)
+    return dataclasses.replace(accuracy, detection=found, accuracy=found.get("map50"), metric="map50"), tuple(
+        detections
+    )
 
 
 def write_detections(profile: ModelProfile, path: str | Path) -> Path | None:
@@ -816,9 +822,11 @@ def profile_model(
 
 def _comparison(main, reference, agreement) -> list[Comparison]:
     """The model against its reference at each thread count: speedup, size ratio, accuracy drop."""
-    drop = None
+    drop, name = None, None
     if main.accuracy and reference.accuracy and main.accuracy.labelled and main.accuracy.accuracy is not None:
-        drop = round(reference.accuracy.accuracy - main.accuracy.accuracy, 6)
+        name = main.accuracy.metric or "accuracy"
+        if reference.accuracy.accuracy is not None:
+            drop = metric(name).worse_by(reference.accuracy.accuracy, main.accuracy.accuracy)
     return [
         Comparison(
             threads=mine.threads,
@@ -827,6 +835,8 @@ def _comparison(main, reference, agreement) -> list[Comparison]:
             accuracy_drop=drop,
             top1_agreement=agreement.top1_agreement if agreement else None,
             max_abs_error=agreement.max_abs_error if agreement else None,
+            metric=name,
+            change_unit=metric(name).change if name else None,
         )
         for mine, theirs in zip(main.runs, reference.runs)
     ]

@@ -1,0 +1,229 @@
+"""Verdicts a user can trust (issue 39): every number says what it is, in its unit, with its n and
+paired interval, and no gate passes with nothing judged.
+
+Tiny Keras 3 models with set weights and the real converter and LiteRT: what is tested is how
+edgeq names, scores and judges their outputs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from edgeq.metrics import metric
+from edgeq.tasks import OutputSpec
+from edgeq.verdicts import NothingJudged, judge
+from tests.conftest import assert_one_line_error
+
+
+def test_a_verdict_states_the_metric_its_unit_n_and_a_paired_interval():
+    rng = np.random.default_rng(0)
+    y = rng.normal(0, 1, (400, 1))
+    reference = y + rng.normal(0, 0.1, y.shape)
+    worse = reference + rng.normal(0, 0.1, y.shape)
+    v = judge(OutputSpec("age", "regression", (1,)), reference, worse, y, budget=5.0)
+    assert (v.metric, v.unit, v.change_unit, v.n) == ("rmse", "", "%", 400)
+    assert v.value > v.reference and v.worse_by > 0  # a worse regressor is worse, not a negative "drop"
+    low, high = v.interval95
+    assert low < v.worse_by < high
+    line = v.line()
+    assert "RMSE" in line and "% RMSE worse" in line and "n=400" in line and "95% CI" in line and "%)" not in line
+    assert "accuracy" not in line
+
+    labels = rng.integers(0, 10, 300)
+    ref_scores = np.eye(10)[labels] + rng.normal(0, 0.3, (300, 10))
+    q_scores = ref_scores + rng.normal(0, 0.3, (300, 10))
+    c = judge(OutputSpec("digit", "classification", (10,)), ref_scores, q_scores, labels, budget=0.0)
+    assert (c.metric, c.unit, c.change_unit) == ("accuracy", "%", "pp")
+    assert c.worse_by == pytest.approx((c.reference - c.value) * 100, abs=1e-3)
+    # a 0 pp budget with an interval across 0 is not resolved by 300 samples, and says so
+    if c.interval95[0] < 0 < c.interval95[1]:
+        assert c.resolved is False and "too few samples" in c.line()
+    assert metric("accuracy").show(0.5) == "50.00%" and metric("rmse").show(0.0199) == "0.0199"
+
+
+def test_a_gate_refuses_what_it_cannot_judge():
+    spec = OutputSpec("score", "binary", (1,))
+    with pytest.raises(NothingJudged, match="no targets"):
+        judge(spec, np.zeros((5, 1)), np.zeros((5, 1)), None, budget=1.0)
+    recon = OutputSpec("recon", "reconstruction", (4,))
+    x = np.random.default_rng(1).normal(0, 1, (50, 4))
+    with pytest.raises(NothingJudged, match="undefined"):  # one class: no AUC, never a pass
+        judge(recon, x + 0.01, x + 0.02, np.zeros(50, np.int64), x, budget=1.0)
+    with pytest.raises(NothingJudged, match="no task metric"):
+        judge(OutputSpec("emb", "other", (8,)), x, x, None, budget=1.0)
+
+
+def test_cosine_of_an_all_zero_output_against_a_nonzero_one_is_not_one():
+    from edgeq.metrics import compare_outputs
+
+    got = compare_outputs(np.ones((3, 4)), np.zeros((3, 4)))
+    assert got.cosine == 0.0
+    assert compare_outputs(np.zeros((3, 4)), np.zeros((3, 4))).cosine == 1.0
+
+
+def _regressor(path, units=1, heads=1):
+    import keras
+
+    rng = np.random.default_rng(7)
+    inputs = keras.Input((6,), name="features")
+    h = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    outs = [keras.layers.Dense(units, name=f"head{i}")(h) for i in range(heads)]
+    model = keras.Model(inputs, outs if heads > 1 else outs[0])
+    model.set_weights([rng.normal(0, 0.4, w.shape).astype(np.float32) for w in model.get_weights()])
+    model.save(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ages(tmp_path_factory):
+    """A 1-unit linear regressor and 1,000 whole-numbered ages (33 of them rare) it roughly predicts."""
+    folder = tmp_path_factory.mktemp("ages")
+    model = _regressor(folder / "age.keras")
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 1, (1000, 6)).astype(np.float32)
+    pred = model.predict(x, verbose=0)[:, 0]
+    ages = np.clip(np.round(40 + 8 * pred + rng.normal(0, 3, 1000)), 1, 90).astype(np.int64)
+    rare = rng.choice(1000, 33, replace=False)
+    ages[rare] = 100 + np.arange(33)  # 33 ages seen once each
+    np.savez(folder / "ages.npz", x=x, y=ages)
+    np.savez(folder / "x_only.npz", x=x)
+    return folder, rare
+
+
+def test_whole_numbered_ages_are_values_and_rare_ages_reach_val_and_test(cli, ages):
+    from edgeq.data import load_dataset
+
+    folder, rare = ages
+    data = load_dataset(f"npz:{folder / 'ages.npz'}")
+    assert (data.y_test >= 100).sum() >= 3 and (data.y_val >= 100).sum() >= 1, "rare ages never left train"
+    info = cli("data", "info", f"npz:{folder / 'ages.npz'}")
+    described = json.loads(info.stdout)
+    assert "whole numbers" in described["targets"] and "values for a 1-unit linear output" in described["targets"]
+    assert (
+        described["split"].startswith("stratified by value")
+        and "seen < 3 times split as one pool" in described["split"]
+    )
+
+
+def test_eval_of_a_regressor_speaks_rmse_with_n_and_interval_and_refuses_a_gate_with_no_labels(cli, ages, tmp_path):
+    folder, _ = ages
+    out = tmp_path / "age_int8.tflite"
+    data = f"npz:{folder / 'ages.npz'}"
+    converted = cli("convert", folder / "age.keras", "--int8-only", "--calib", data, "--out", out)
+    assert converted.exit_code == 0, converted.output
+    result = cli("eval", out, "--reference", folder / "age.keras", "--data", data, "--max-drop", "50", "--json",
+                 tmp_path / "e.json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (verdict,) = json.loads((tmp_path / "e.json").read_text())["verdicts"]
+    assert verdict["metric"] == "rmse" and verdict["change_unit"] == "%" and 190 <= verdict["n"] <= 210
+    assert verdict["passed"] is True and len(verdict["interval95"]) == 2
+    assert "head0: RMSE" in result.stdout and f"n={verdict['n']}" in result.stdout and "accuracy" not in result.stdout
+
+    unlabelled = cli("eval", out, "--reference", folder / "age.keras", "--data", f"npz:{folder / 'x_only.npz'}",
+                     "--max-drop", "0")  # fmt: skip
+    assert_one_line_error(unlabelled, "--max-drop 0", "no targets")
+
+
+def test_a_two_head_model_with_one_unnamed_y_is_refused_by_a_gate(cli, tmp_path):
+    model = _regressor(tmp_path / "two.keras", heads=2)
+    x = np.random.default_rng(5).normal(0, 1, (300, 6)).astype(np.float32)
+    np.savez(tmp_path / "one_y.npz", x=x, y=model.predict(x, verbose=0)[0].astype(np.float32))
+    data = f"npz:{tmp_path / 'one_y.npz'}"
+    out = tmp_path / "two.tflite"
+    assert cli("convert", tmp_path / "two.keras", "--int8-only", "--calib", data, "--out", out).exit_code == 0
+    gated = cli("eval", out, "--reference", tmp_path / "two.keras", "--data", data, "--max-drop", "5",
+                "--task", "head0=regression,head1=regression")  # fmt: skip
+    assert_one_line_error(gated, "head0", "no targets", "y_head0")
+
+
+def test_an_autoencoder_on_a_one_class_split_is_refused_by_a_gate(cli, tmp_path):
+    import keras
+
+    rng = np.random.default_rng(2)
+    inputs = keras.Input((8,), name="frames")
+    h = keras.layers.Dense(4, activation="relu", name="enc")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(8, name="dec")(h))
+    model.set_weights([rng.normal(0, 0.4, w.shape).astype(np.float32) for w in model.get_weights()])
+    model.save(tmp_path / "ae.keras")
+    x = rng.normal(0, 1, (300, 8)).astype(np.float32)
+    np.savez(tmp_path / "normal.npz", x=x, y=np.zeros(300, np.int64))  # every sample normal: no AUC
+    data = f"npz:{tmp_path / 'normal.npz'}"
+    out = tmp_path / "ae.tflite"
+    converted = cli("convert", tmp_path / "ae.keras", "--int8-only", "--calib", data, "--out", out,
+                    "--task", "reconstruction")  # fmt: skip
+    assert converted.exit_code == 0, converted.output
+    gated = cli("eval", out, "--reference", tmp_path / "ae.keras", "--data", data, "--max-drop", "1",
+                "--task", "reconstruction")  # fmt: skip
+    assert_one_line_error(gated, "AUC is undefined", "both")
+
+
+def _keras3_digits_cnn(path, sequential: bool):
+    import keras
+
+    layers = [
+        keras.layers.Conv2D(8, 3, activation="relu", name="conv"),
+        keras.layers.Flatten(name="flat"),
+        keras.layers.Dense(10, activation="softmax", name="dense"),
+    ]
+    if sequential:
+        model = keras.Sequential([keras.Input((8, 8, 1)), *layers])
+    else:
+        inputs = keras.Input((8, 8, 1), name="pixels")
+        h = inputs
+        for layer in layers:
+            h = layer(h)
+        model = keras.Model(inputs, h)
+    model.save(path)
+
+
+@pytest.mark.parametrize("flavour", ["keras3-sequential", "keras3-functional", "tf_keras"])
+def test_the_default_train_path_compares_ptq_and_qat_with_its_interval(cli, tmp_path, flavour):
+    """The PTQ-vs-QAT comparison is on by default; tests that turned it off hid a KeyError on Keras 3."""
+    if flavour == "tf_keras":
+        source = "digits-cnn"
+    else:
+        source = tmp_path / "k3.keras"
+        _keras3_digits_cnn(source, sequential=flavour == "keras3-sequential")
+    out = tmp_path / "run"
+    trained = cli("train", source, "--data", "digits", "--out", out, "--epochs", "2", "--qat-epochs", "1",
+                  "--compare-int8")  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    record = json.loads((out / "run.json").read_text())["int8_comparison"]
+    assert record["metric"] == "accuracy" and record["samples"] == 179 and len(record["interval95"]) == 2
+    assert "int8 on val (accuracy, n=179)" in trained.output and "95% CI" in trained.output
+
+
+def test_analyze_and_profile_speak_a_regressors_rmse_not_an_accuracy(cli, ages, tmp_path):
+    """analyze sensitivity/plan and profile --compare of a regressor: RMSE in its units, changes in % of RMSE."""
+    folder, _ = ages
+    data = f"npz:{folder / 'ages.npz'}"
+    sens = cli("analyze", "sensitivity", folder / "age.keras", "--data", data, "--calib-samples", "64",
+               "--json", tmp_path / "s.json")  # fmt: skip
+    assert sens.exit_code == 0, sens.output
+    head = sens.stdout.splitlines()[0]
+    assert "RMSE FP32" in head and "% RMSE" in head and "%," not in head, head
+    assert "gain (% RMSE)" in sens.stdout and "pp" not in sens.stdout
+    assert json.loads((tmp_path / "s.json").read_text())["metric"] == "rmse"
+
+    planned = cli("analyze", "plan", folder / "age.keras", "--data", data, "--max-drop", "1000",
+                  "--out", tmp_path / "plan.json")  # fmt: skip
+    assert planned.exit_code == 0, planned.output
+    assert "budget 1000 % RMSE worse" in planned.stdout and "chosen plan: head0: RMSE" in planned.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert (plan["metric"], plan["change_unit"], plan["higher_is_better"]) == ("rmse", "%", False)
+    assert plan["verdict"]["n"] == plan["samples"] > 0 and len(plan["verdict"]["interval95"]) == 2
+
+    int8, fp32 = tmp_path / "age_int8.tflite", tmp_path / "age_fp32.tflite"
+    for mode, out in (("--int8-only", int8), ("--fp32", fp32)):
+        assert cli("convert", folder / "age.keras", mode, "--calib", data, "--out", out).exit_code == 0
+    npz = np.load(folder / "ages.npz")
+    np.savez(tmp_path / "device.npz", x=npz["x"][:300], y=npz["y"][:300].astype(np.float32))
+    profiled = cli("profile", int8, "--compare", fp32, "--data", tmp_path / "device.npz", "--runs", "2",
+                   "--json", tmp_path / "p.json")  # fmt: skip
+    assert profiled.exit_code == 0, profiled.output
+    assert "RMSE vs reference" in profiled.stdout and "% RMSE" in profiled.stdout
+    (first, *_) = json.loads((tmp_path / "p.json").read_text())["comparison"]
+    assert first["metric"] == "rmse" and first["change_unit"] == "%"
