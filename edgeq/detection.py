@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeq.errors import DataError, MissingExtraError
+from edgeq.errors import DataError, MissingExtraError, UsageError
 
 # A detector's ground truth in data files: normalised corners (N, M, 4) and classes (N, M), -1 unused.
 GROUND_TRUTH = ("gt_boxes", "gt_classes")
@@ -66,10 +66,18 @@ def detection_spec_of(specs) -> DetectionSpec | None:
 
     A box head of (S, S, 4) is the ``centre`` layout, one of (A, 4) the ``plain`` one.
     """
-    kinds = {s.kind: s for s in specs}
-    if "detection_boxes" not in kinds or "detection_scores" not in kinds:
+    boxes_heads = [s for s in specs if s.kind == "detection_boxes"]
+    score_heads = [s for s in specs if s.kind == "detection_scores"]
+    if not boxes_heads or not score_heads:
         return None
-    boxes, scores = kinds["detection_boxes"], kinds["detection_scores"]
+    if len(boxes_heads) > 1 or len(score_heads) > 1:  # which box goes with which score is not edgeq's to guess
+        raise UsageError(
+            f"the model has {len(boxes_heads)} box head(s) ({', '.join(s.name for s in boxes_heads)}) and "
+            f"{len(score_heads)} score head(s) ({', '.join(s.name for s in score_heads)}): edgeq decodes one pair; "
+            "declare the pair to judge with --task BOXES=detection_boxes,SCORES=detection_scores and the rest as "
+            "other"
+        )
+    boxes, scores = boxes_heads[0], score_heads[0]
     layout = "centre" if len(boxes.shape) == 3 else "plain"
     return DetectionSpec(boxes.name, scores.name, layout, int(scores.shape[-1]))
 

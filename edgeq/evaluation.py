@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import DataError, ModelLoadError, QualityGateError
+from edgeq.metrics import metric
 from edgeq.tasks import OutputSpec, compare, drop, score, task
 from edgeq.verdicts import NothingJudged, judge
 
@@ -46,6 +47,7 @@ class EvalResult:
     detection: dict | None = None  # a detector's mAP@0.5 and mAP@0.5:0.95, both models (pycocotools)
     # each judged output: metric, unit, both values, worse_by with n and its paired 95% interval, pass/fail
     verdicts: tuple[dict, ...] = ()
+    metric: str | None = None  # what accuracy, reference_accuracy and drop_pp measure (edgeq.metrics.METRICS)
 
     def to_dict(self) -> dict:
         return {"kind": "edgeq.eval", **_json_safe(asdict(self))}
@@ -211,6 +213,7 @@ def evaluate(
         labelled=dataset.labelled,
         detection=detection,
         verdicts=tuple(v.to_dict() for v in verdicts),
+        metric=primary["primary"] if primary else None,
     )
 
 
@@ -326,8 +329,8 @@ def check_gate(result: EvalResult) -> None:
     if result.detection is not None and result.detection["drop"] > result.max_drop_pp:
         d = result.detection
         lines.append(
-            f"mAP@0.5 {d['reference_map50']:.3f} -> {d['map50']:.3f}, {d['drop']:.2f} points worse "
-            f"(n={d['images']} images, no interval: mAP is not resampled)"
+            f"mAP@0.5 {d['reference_map50']:.3f} -> {d['map50']:.3f}, {metric('map50').show_change(d['drop'])} "
+            f"(n={d['images']} images, no interval: mAP is not resampled); budget {result.max_drop_pp:g} points: FAIL"
         )
     raise QualityGateError(f"{result.model}: over --max-drop {result.max_drop_pp:g}: " + "; ".join(lines))
 

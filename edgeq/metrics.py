@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeq.errors import DataError
+from edgeq.numerics import sqnr_db
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,7 @@ def compare_outputs(reference: np.ndarray, quantized: np.ndarray) -> OutputCompa
     if len(ref) == 0:
         raise ValueError("no samples to compare")
     err = ref - q
-    noise = float(np.sum(err**2))
-    signal = float(np.sum(ref**2))
-    sqnr = math.inf if noise == 0 else (10.0 * math.log10(signal / noise) if signal > 0 else -math.inf)
+    sqnr = sqnr_db(ref, q)  # the one definition convert, eval, profile and analyze weights report
     norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(q, axis=1)
     # both all zero: the same output (1); one all zero: nothing in common (0), never a perfect 1
     both_zero = (np.linalg.norm(ref, axis=1) == 0) & (np.linalg.norm(q, axis=1) == 0)

@@ -149,7 +149,7 @@ def test_plan_meets_the_budget_and_keeps_every_other_layer_integer(cli, outlier_
     shown = cli("report", plan, "--out", tmp_path / "plan.html")  # the plan's section of `edgeq report`
     assert shown.exit_code == 0, shown.output
     page = (tmp_path / "plan.html").read_text()
-    assert 'id="plans"' in page and "meets the 2.0 pp budget" in page and "conv1" in page
+    assert 'id="plans"' in page and "meets the 2.0 pp budget" in page and "conv1" in page and "n=" in page
     out = tmp_path / "planned.tflite"
     converted = cli("convert", outlier_model, "--plan", plan, "--calib", "digits", "--out", out)
     assert converted.exit_code == 0, converted.output

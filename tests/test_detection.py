@@ -172,7 +172,8 @@ def test_the_zoo_detector_trains_converts_integer_only_and_is_judged_by_map(cli,
     # a budget the model cannot meet fails in mAP points, naming them
     gated = cli("eval", folder / "det_int8.tflite", "--reference", folder / "run" / "fp32.keras", "--data", data,
                 "--max-drop", "-101")  # fmt: skip
-    assert gated.exit_code == 4 and "mAP@0.5 drop" in gated.stderr
+    assert gated.exit_code == 4 and "mAP@0.5 " in gated.stderr and "points: FAIL" in gated.stderr, gated.stderr
+    assert "n=60 images" in gated.stderr
     page = tmp_path / "r.html"
     assert cli("report", tmp_path / "e.json", folder / "det_int8.tflite", "--out", page).exit_code == 0
     assert "detection mAP@0.5" in page.read_text() and "detection (centre)" in page.read_text()

@@ -103,4 +103,4 @@ def test_eval_cli_table_json_and_max_drop_gate(cli, digits_run, digits_int8, tmp
     # A gate that the model cannot meet: a negative budget demands the int8 model beat FP32 by 5 points.
     gated = cli("eval", digits_int8.path, "--reference", digits_run.fp32_model, "--data", "digits", "--max-drop", "-5")
     assert gated.exit_code == 4
-    assert "exceeds --max-drop" in gated.stderr
+    assert "over --max-drop -5" in gated.stderr and "n=359, 95% CI" in gated.stderr and "FAIL" in gated.stderr

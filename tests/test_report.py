@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgeq.metrics import metric
+
 from .conftest import assert_one_line_error
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -100,24 +102,25 @@ def test_demo_report_in_headless_chromium_shows_the_json_numbers(cli, demo, tmp_
     # sections with data are there; those without (no sensitivity, plan or fleet files) are absent
     assert seen["sections"] == ["verdict", "models", "training", "weights", "ops", "provenance"]
     assert seen["images"] and all(i["src"].startswith("data:image/") and i["w"] > 0 for i in seen["images"])
-    assert seen["verdict_class"] == "verdict pass" and "within the 1 pp budget" in seen["verdict"]
+    assert seen["verdict_class"] == "verdict pass" and "budget 1 pp: pass" in seen["verdict"]
+    assert "n=359" in seen["verdict"] and "95% CI" in seen["verdict"]
 
     ev = json.loads((demo / "eval.json").read_text())
     run = json.loads((demo / "run.json").read_text())
     profile = json.loads((demo / "profile.json").read_text())
     cells = {(row, field): text for row, field, text in seen["cells"]}
     q = "digits_int8.tflite"
-    assert cells[(q, "accuracy")] == f"{ev['accuracy']:.2%}"
-    assert cells[(q, "drop_pp")] == f"{ev['drop_pp']:+.2f}"
+    assert ev["metric"] == "accuracy" and cells[(q, "accuracy")] == f"accuracy {ev['accuracy']:.2%}"
+    assert cells[(q, "drop_pp")] == metric("accuracy").show_change(ev["drop_pp"])
     assert cells[(q, "agreement")] == f"{ev['agreement']:.2%}"
     assert cells[(q, "sqnr_db")] == f"{ev['sqnr_db']:.1f}"
     assert cells[(q, "size")] == f"{ev['size_bytes'] / 1024:.1f} KiB"
     assert cells[(q, "median_ms")] == f"{profile['model']['runs'][0]['latency']['median_ms']:.3f}"
     assert cells[(q, "rss_mb")] == f"{profile['model']['runs'][0]['memory']['peak_rss_run_mb']:.1f}"
-    assert cells[("fp32.keras (FP32 reference)", "accuracy")] == f"{ev['reference_accuracy']:.2%}"
+    assert cells[("fp32.keras (FP32 reference)", "accuracy")] == f"accuracy {ev['reference_accuracy']:.2%}"
     for stage in run["results"]:
-        assert cells[(stage["name"], "test_accuracy")] == f"{stage['test_accuracy']:.2%}"
-        assert cells[(stage["name"], "val_accuracy")] == f"{stage['val_accuracy']:.2%}"
+        assert cells[(stage["name"], "test_accuracy")] == f"accuracy {stage['test_accuracy']:.2%}"
+        assert cells[(stage["name"], "val_accuracy")] == f"accuracy {stage['val_accuracy']:.2%}"
     assert _pixel_std(shot) > 20  # a page with text, tables and plots, not a blank one
 
     # the same page on a phone: nothing wider than the screen but the scrolling tables
@@ -139,7 +142,7 @@ def test_failed_budget_is_the_first_thing_on_the_page(cli, demo, digits_run, tmp
     body = html[html.index("<body>") :]
     assert body.index('id="verdict"') < body.index("<section", body.index('id="verdict"') + 1)
     headline = body[body.index('class="headline">') :].split("</div>")[0]
-    assert "FAILS" in headline and "exceeds the -5 pp budget" in headline and "digits_int8.tflite" in headline
+    assert "FAILS" in headline and "budget -5 pp: FAIL" in headline and "digits_int8.tflite" in headline
     if CHROMIUM:
         seen = _browse(out, tmp_path / "fail.png")
         assert seen["verdict_class"] == "verdict fail" and seen["sections"][0] == "verdict"

@@ -227,3 +227,42 @@ def test_analyze_and_profile_speak_a_regressors_rmse_not_an_accuracy(cli, ages, 
     assert "RMSE vs reference" in profiled.stdout and "% RMSE" in profiled.stdout
     (first, *_) = json.loads((tmp_path / "p.json").read_text())["comparison"]
     assert first["metric"] == "rmse" and first["change_unit"] == "%"
+
+
+def test_multi_input_calibration_feeds_each_input_by_its_exact_name():
+    from edgeq.errors import UsageError
+    from edgeq.quantize.calibration import input_key
+
+    assert input_key("serving_default_image:0", ["image_meta", "image"]) == "image"  # not the longer substring
+    assert input_key("serving_default_image_meta:0", ["image", "image_meta"]) == "image_meta"
+    with pytest.raises(UsageError, match="x_<input name>"):
+        input_key("serving_default_audio:0", ["image"])
+
+
+def test_label_free_qat_of_a_logits_classifier_reads_its_compile_config(cli, tmp_path):
+    """A Keras 3 classifier with logits says so in its compile config (from_logits cross-entropy): label-free
+    QAT distills its class distribution (not MSE), and its stages and the PTQ-vs-QAT line speak accuracy."""
+    import keras
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[..., None]
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu", name="conv"),
+                              keras.layers.Flatten(name="flat"), keras.layers.Dense(10, name="logits")])  # fmt: skip
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.fit(x, digits.target, epochs=3, verbose=0)
+    model.save(tmp_path / "logits.keras")
+    np.savez(tmp_path / "x_only.npz", x=x)
+    out = tmp_path / "run"
+    trained = cli("train", tmp_path / "logits.keras", "--data", f"npz:{tmp_path / 'x_only.npz'}", "--epochs", "0",
+                  "--qat-epochs", "1", "--out", out, "--compare-int8")  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    run = json.loads((out / "run.json").read_text())
+    (spec,) = run["outputs"]
+    assert (spec["task"], spec["task_source"]) == ("classification", "compiled")
+    assert run["distillation"]["losses"]["logits"] == "softmax_kl"
+    # no labels: a stage is scored by top-1 agreement with FP32's answers, not by an MSE or a "-"
+    assert run["results"][-1]["metric"] == "agreement" and run["results"][-1]["val_accuracy"] > 0.5
+    gain = run["int8_comparison"]
+    assert gain["metric"] == "accuracy" and gain["label_free"] and gain["ptq"]["value"] > 0.5, gain
+    assert "int8 on val (top-1 agreement with FP32, n=" in trained.output

@@ -233,6 +233,7 @@ def make_plan(
         best = _int4_layers(
             model, dataset, samples, per_tensor, ranges, ranked, best, x, quality, fp32_acc, frontier, max_drop_pp
         )
+    _check_layer_names(model, model_path, best)
     out = Path(out)
     verdict = None
     if best.changed in seen and not best.int4_layers:
@@ -262,6 +263,18 @@ def make_plan(
         len(x),
         verdict,
     )
+
+
+def _check_layer_names(model, model_path, best: PlanPoint) -> None:
+    """A plan names layers of the model it was made for, or it is not written: ``convert --plan`` of it
+    would refuse a name that is a converter tensor rather than a layer."""
+    layers = {layer.name for layer in model.layers}
+    strangers = [n for n in (*best.float_layers, *best.int4_layers, *best.wide_layers) if n not in layers]
+    if strangers:
+        raise UsageError(
+            f"{model_path}: the plan would name {', '.join(strangers[:3])}, which edgeq could not map to a layer of "
+            "the model (a tensor of the converted graph); the plan is not written: please report this model"
+        )
 
 
 def _metric_fields(name: str) -> dict:

@@ -46,9 +46,9 @@ def compare_run(out_dir: str | Path) -> dict | None:
         The ``int8_comparison`` record, or None where there is nothing to compare: no QAT model,
         a detector (judge each with ``edgeq eval``: mAP), or no val samples.
     """
+    from edgeq.analysis.sensitivity import LABEL_FREE_KINDS, fp32_answers
     from edgeq.artifacts import sha256_file, write_json_atomic
     from edgeq.data import load_dataset
-    from edgeq.metrics import predicted_classes
     from edgeq.model_io import keras_outputs, load_user_model, recorded_normalization
     from edgeq.tasks import OutputSpec
     from edgeq.training.distill import NO_LABELS
@@ -70,15 +70,18 @@ def compare_run(out_dir: str | Path) -> dict | None:
     if dataset.count("val") == 0:
         return None
     x = dataset.split("val")[0]
-    if (run.get("distillation") or {}).get("reason") == NO_LABELS or not dataset.labelled:
+    label_free = (run.get("distillation") or {}).get("reason") == NO_LABELS or not dataset.labelled
+    if label_free:
         targets = keras_outputs(load_user_model(fp32), x)[spec.name]  # no labels: the FP32 model's answers
-        if spec.kind == "classification":
-            targets = predicted_classes(targets)
+        if spec.kind in LABEL_FREE_KINDS:
+            targets = fp32_answers(spec, targets)
     elif spec.kind == "reconstruction":
         targets = dataset.targets("val")  # normal/anomalous labels, for the AUC
     else:
         targets = dataset.targets("val", spec.name if isinstance(dataset.y_val, dict) else None)
     record = compare_int8(out_dir, fp32, qat, dataset, spec, targets)
+    # scored against FP32's own answers: the share is top-1 agreement with FP32, and says so
+    record["label_free"] = bool(label_free and spec.kind in LABEL_FREE_KINDS)
     run["int8_comparison"] = record
     for key in ("ptq", "qat"):
         if "path" in record[key]:
@@ -140,7 +143,7 @@ def compare_int8(out_dir: Path, fp32: Path, qat: Path, dataset, spec, targets, s
 
 def summary(record: dict) -> str:
     """One line for the terminal: both values, QAT's gain with n and its interval, the better one."""
-    row = metric_row(record.get("metric") or "")
+    row = metric_row("agreement" if record.get("label_free") else record.get("metric") or "")
     parts = []
     for name, label in (("ptq", "PTQ of fp32"), ("qat", "QAT")):
         got = record.get(name, {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import table
+from edgeq.commands.ui import Heartbeat, table
 from edgeq.metrics import metric
 from edgeq.quantize.ranges import ACTIVATION_METHODS
 
@@ -119,7 +119,10 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
     from edgeq.analysis.sensitivity import analyze_sensitivity, save_bar_chart
     from edgeq.artifacts import write_json_atomic
 
-    report = analyze_sensitivity(model, data, method, calib_samples, split, granularity == "per-tensor", ranges=ranges)
+    with Heartbeat("analyze sensitivity (layers measured)") as progress:
+        report = analyze_sensitivity(
+            model, data, method, calib_samples, split, granularity == "per-tensor", progress=progress, ranges=ranges
+        )
     row = metric(report.metric)
     click.echo(
         f"{report.data}, {report.samples} samples: {row.label} FP32 {row.show(report.fp32_accuracy)}, "
@@ -219,18 +222,20 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     from edgeq.errors import QualityGateError
     from edgeq.verdicts import Verdict
 
-    result = make_plan(
-        model,
-        data,
-        max_drop,
-        out,
-        calib_samples,
-        split,
-        granularity == "per-tensor",
-        int4=int4,
-        ranges=ranges,
-        fallback=fallback,
-    )
+    with Heartbeat("analyze plan (layers ranked)") as progress:
+        result = make_plan(
+            model,
+            data,
+            max_drop,
+            out,
+            calib_samples,
+            split,
+            granularity == "per-tensor",
+            progress=progress,
+            int4=int4,
+            ranges=ranges,
+            fallback=fallback,
+        )
     moved = "layers at 16-bit" if fallback == "int16" else "layers kept float"
     row = metric(result.metric)
     unit = row.change_label

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import table
+from edgeq.commands.ui import Heartbeat, table
 
 # Mode flags are spelled here from the same names as edgeq.conversion.MODES (a test checks
 # that the two agree), so that `edgeq convert --help` does not import TensorFlow.
@@ -172,7 +172,8 @@ def convert(
         input_shape=input_shape,
         task=task,
     )
-    result = run_convert(model, out, options)
+    with Heartbeat(f"convert {model}"):  # a --ptq search or a big model: a line every 30 s in a log
+        result = run_convert(model, out, options)
     if json_out:
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
         return

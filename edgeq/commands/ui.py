@@ -172,6 +172,37 @@ def progress_printer(enabled: bool = True):
     return on_event
 
 
+class Heartbeat:
+    """A long step's progress on stderr: the last thing it reported, at least every ``every`` seconds,
+    so that a log (CI, a file) shows where ``analyze plan`` or a ``--ptq`` search is. Use as a context
+    manager; call it with what was just done (``progress(layer)``)."""
+
+    def __init__(self, what: str, every: float = 30.0):
+        self.what, self.every, self.done, self.last = what, every, 0, ""
+        self._stop = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __call__(self, item: str = "") -> None:
+        self.done, self.last = self.done + 1, str(item)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            last = f", last {self.last}" if self.last else ""
+            with _echo_lock:
+                click.echo(
+                    f"[{time.monotonic() - self._start:6.0f}s] {self.what}: {self.done} step(s) done{last}", err=True
+                )
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def failed_exit(outcomes) -> None:
     """Exit 6 when a rollout stopped at its failure budget, 5 when some devices failed (naming them)."""
     from edgeq.errors import DevicesFailed, RolloutStopped

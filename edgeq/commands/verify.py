@@ -70,7 +70,7 @@ def verify(
                 r.device_runtime,
                 str(r.samples),
                 agreement,
-                f"{100 * r.top1_agreement:.1f}%",
+                "-" if r.top1_agreement is None else f"{100 * r.top1_agreement:.1f}%",
                 "",
             ]
         )

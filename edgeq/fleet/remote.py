@@ -91,7 +91,7 @@ class VerifyResult:
     bit_exact: bool
     max_abs_diff: float  # in the output's own units (integer steps for int8 outputs)
     max_abs_diff_float: float  # after dequantization
-    top1_agreement: float
+    top1_agreement: float | None  # the first class output's (None: no output of the model is classes)
     output_dtype: str
     device_machine: str
     device_runtime: str
@@ -436,6 +436,18 @@ def quantized_inputs(model, data: str | Path, inputs: str = "x", limit: int | No
     return result
 
 
+def _class_outputs(model, names: list[str]) -> set[str]:
+    """The outputs that are classes, by the task the conversion manifest records (else by their shape:
+    one score vector per sample)."""
+    from edgeq.runtime.inputs import outputs_beside
+    from edgeq.tasks import TASKS
+
+    recorded = {o["name"]: o.get("task") for o in outputs_beside(model)}
+    if recorded:
+        return {n for n in names if recorded.get(n) in TASKS and TASKS[recorded[n]].classes}
+    return set(names) if len(names) == 1 else set()
+
+
 def verify_on(
     device: Device,
     model: str | Path,
@@ -487,6 +499,7 @@ def verify_on(
             dev_out = {name: np.asarray(npz[f"output_{i}"]) for i, name in enumerate(names)}
             machine, dev_runtime = str(npz["machine"]), str(npz["runtime"])
     rows = []
+    classes = _class_outputs(model, host.output_names)
     for name in host.output_names:
         got, mine, info = dev_out.get(name), host_out[name], host.output_named(name)
         if got is None or got.shape != mine.shape or got.dtype != mine.dtype:
@@ -502,7 +515,10 @@ def verify_on(
                 "bit_exact": bool(np.array_equal(got, mine)),
                 "max_abs_diff": float(diff.max()) if diff.size else 0.0,
                 "max_abs_diff_float": float(fdiff.max()) if fdiff.size else 0.0,
-                "top1_agreement": top1_agreement(dequantize(mine, info), dequantize(got, info)) if count else 1.0,
+                # only where the output is classes (its task in the manifest): a box or a value has no top-1
+                "top1_agreement": (top1_agreement(dequantize(mine, info), dequantize(got, info)) if count else 1.0)
+                if name in classes
+                else None,
                 "dtype": str(mine.dtype),
             }
         )
@@ -512,7 +528,7 @@ def verify_on(
         bit_exact=all(r["bit_exact"] for r in rows),
         max_abs_diff=max(r["max_abs_diff"] for r in rows),
         max_abs_diff_float=max(r["max_abs_diff_float"] for r in rows),
-        top1_agreement=first["top1_agreement"],
+        top1_agreement=next((r["top1_agreement"] for r in rows if r["top1_agreement"] is not None), None),
         output_dtype=first["dtype"],
         device_machine=machine,
         device_runtime=dev_runtime,

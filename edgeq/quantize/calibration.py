@@ -21,6 +21,7 @@ import numpy as np
 from edgeq.compat import tf
 from edgeq.data import Dataset
 from edgeq.errors import UsageError
+from edgeq.names import producer_of
 from edgeq.quantize.ranges import ACTIVATION_METHODS, activation_range
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.shims.litert import ops_details
@@ -145,7 +146,7 @@ class ActivationRanges:
             interpreter.allocate_tensors()
         inputs = interpreter.get_input_details()
         if isinstance(self.x, dict):  # by input name: the calibrated model's inputs carry the Keras names
-            feeds = [(d, self.x[max((k for k in self.x if k in d["name"]), key=len)]) for d in inputs]
+            feeds = [(d, self.x[input_key(d["name"], list(self.x))]) for d in inputs]
         else:
             feeds = [(inputs[0], self.x)]
         observers = {index: Observer(self.seed) for index in tensor_ranges(calibrated)}
@@ -213,6 +214,10 @@ def calibrate(
     graph = TFLiteModel(model_content=debugger.calibrated_model, use_default_delegates=False, verify=False)
     names = {d["index"]: d["name"] for d in graph.interpreter.get_tensor_details()}
     layer_names = [layer.name for layer in keras_model.layers]
+    # the op that writes the model's output may carry only the signature's tensor name
+    # (StatefulPartitionedCall:0 for a Keras 3 model): it is the output layer's
+    graph_outputs = [d["index"] for d in graph.interpreter.get_output_details()]
+    output_layers = [getattr(producer_of(t), "name", None) for t in keras_model.outputs]
     nodes, layer_of = [], {}
     for op in ops_details(graph.interpreter):
         if not op["outputs"].size:
@@ -220,8 +225,27 @@ def calibrate(
         node = names[op["outputs"][0]]
         nodes.append(node)
         guess = layer_name_for(node, layer_names)
-        layer_of[node] = guess if guess != node.split(";")[0] or "/" in node else f"{op['op_name'].lower()}:{node}"
+        if guess in layer_names:
+            layer_of[node] = guess
+        elif op["outputs"][0] in graph_outputs and len(graph_outputs) == len(output_layers) == 1 and output_layers[0]:
+            layer_of[node] = output_layers[0]
+        else:
+            layer_of[node] = guess if guess != node.split(";")[0] or "/" in node else f"{op['op_name'].lower()}:{node}"
     return Calibrated(float_model, debugger.calibrated_model, per_tensor, nodes, layer_of, debugger, ranges)
+
+
+def input_key(tensor_name: str, keys: list[str]) -> str:
+    """Which of the data's arrays (``keys``: input names) feeds the model input ``tensor_name``
+    (``serving_default_<name>:0`` as the converter writes it): the exact name, never a substring of
+    another input's (``image`` inside ``image_meta``)."""
+    bare = re.sub(r":\d+$", "", tensor_name)
+    for candidate in (bare, re.sub(r"^serving_default_", "", bare)):
+        if candidate in keys:
+            return candidate
+    raise UsageError(
+        f"the calibrated model's input {tensor_name!r} matches none of the data's inputs ({', '.join(keys)}): "
+        "name each array x_<input name> as the model names its inputs"
+    )
 
 
 def predict(model_bytes: bytes, x: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -86,9 +86,10 @@ class MixedCalibration:
     """A float model calibrated once, ready to be quantized with any set of layers at 16-bit."""
 
     float_model: bytes
-    calibration: dict
+    calibration: dict  # every tensor's range for 8 bits
     ops: tuple[OpScope, ...]
     layer_names: list[str]
+    wide_ranges: dict = field(default_factory=dict)  # tensor -> (min, max) chosen for 16 bits (mse, entropy)
 
     @property
     def layers(self) -> list[str]:
@@ -112,8 +113,17 @@ class MixedCalibration:
         qt = quantizer.Quantizer(self.float_model)
         every = qtyping.TFLOperationName.ALL_SUPPORTED
         qt.add_static_config(regex=".*", operation_name=every, activation_num_bits=8, weight_num_bits=8)
+        calibration = dict(self.calibration)
         for op in self.ops:
             if op.layer in wide:
+                for tensor in (t for t in op.scope.split(";") if t in self.wide_ranges):
+                    low, high = self.wide_ranges[tensor]  # a 16-bit tensor's range is chosen for 16 bits
+                    shape = np.shape(calibration[tensor]["min"])
+                    calibration[tensor] = {
+                        **calibration[tensor],
+                        "min": np.full(shape, low, np.float32),
+                        "max": np.full(shape, high, np.float32),
+                    }
                 qt.add_static_config(
                     regex=f"^{re.escape(op.scope)}$",
                     operation_name=every,
@@ -121,7 +131,7 @@ class MixedCalibration:
                     weight_num_bits=8,
                 )
         with native_output_silenced():
-            result = qt.quantize(self.calibration, enable_progress_report=False)
+            result = qt.quantize(calibration, enable_progress_report=False)
         return bytes(result.quantized_model)
 
 
@@ -170,8 +180,11 @@ def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None, rang
         runner(**feed)
         for name, observer in observers.items():
             observer.add(interpreter.get_tensor(index[name]))
+    wide_ranges = {}
     for name, observer in observers.items():
         low, high = activation_range(observer.values(), ranges)
+        if ranges in ("mse", "entropy"):  # the methods that trade clipping for resolution: 16 bits clips less
+            wide_ranges[name] = activation_range(observer.values(), ranges, bits=WIDE_BITS)
         shape = np.shape(calibration[name]["min"])
         calibration[name] = {
             **calibration[name],
@@ -179,4 +192,6 @@ def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None, rang
             "max": np.full(shape, high, np.float32),
         }
     layer_names = [layer.name for layer in keras_model.layers]
-    return MixedCalibration(float_model, calibration, tuple(op_scopes(float_model, layer_names)), layer_names)
+    return MixedCalibration(
+        float_model, calibration, tuple(op_scopes(float_model, layer_names)), layer_names, wide_ranges
+    )

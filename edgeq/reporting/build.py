@@ -14,7 +14,9 @@ import edgeq.reporting.figures as figures
 from edgeq import __version__
 from edgeq.artifacts import atomic_path
 from edgeq.errors import MissingExtraError
+from edgeq.metrics import metric
 from edgeq.reporting.sources import Sources, collect
+from edgeq.verdicts import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +75,12 @@ def _name(path: Any) -> str:
 # ---------------------------------------------------------------- sections
 
 MODEL_FIELDS = (
-    "reference", "mode", "dtype", "accuracy", "drop_pp", "agreement", "sqnr_db", "size_bytes", "size_ratio",
+    "reference", "mode", "dtype", "metric", "accuracy", "drop_pp", "agreement", "sqnr_db", "size_bytes", "size_ratio",
     "median_ms", "p90_ms", "speedup", "rss_mb", "threads", "integer_only", "verified", "data",
 )  # fmt: skip
 DEVICE_FIELDS = (
     "machine", "runtime", "model", "median_ms", "p90_ms", "accuracy", "temperature_c", "throttled", "governor",
-    "verify", "verify_ok", "top1_agreement",
+    "verify", "verify_ok", "top1_agreement", "metric",
 )  # fmt: skip
 
 
@@ -93,9 +95,11 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
     for doc in sources.of("eval"):
         d = doc.data
         ref = row(_name(d["reference"]) + " (FP32 reference)")
-        ref.update(accuracy=d["reference_accuracy"], size_bytes=d["reference_size_bytes"], reference=True)
+        name = _eval_metric(d)
+        ref.update(accuracy=d["reference_accuracy"], size_bytes=d["reference_size_bytes"], reference=True, metric=name)
         r = row(_name(d["model"]))
         r.update(
+            metric=name,
             dtype=d.get("model_dtype"),
             accuracy=d["accuracy"],
             drop_pp=d["drop_pp"],
@@ -162,9 +166,22 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
     return [{**dict.fromkeys(MODEL_FIELDS), **r} for r in ordered], checks
 
 
+def _eval_metric(d: dict) -> str:
+    """What an eval record's ``accuracy`` holds: its metric, else the first output's primary one."""
+    if d.get("metric"):
+        return d["metric"]
+    if d.get("detection"):
+        return "map50"
+    return next((o["primary"] for o in d.get("outputs") or [] if o.get("primary")), "accuracy")
+
+
 def _eval_checks(d: dict) -> list[Check]:
-    """What an eval record says about its model: detection mAP, each output, or the accuracy drop."""
+    """What an eval record says about its model: each output's verdict (n, change, interval), or for a
+    record written before verdicts, detection mAP, each output, or the accuracy drop."""
     budget = _num(d.get("max_drop_pp"))
+    if d.get("verdicts"):
+        checks = [Check(v.get("passed"), f"{_name(d['model'])}: {Verdict.from_dict(v).line()}") for v in d["verdicts"]]
+        return checks + ([_detection_check(d, budget)] if d.get("detection") else [])
     outputs = d.get("outputs") or []
     if d.get("detection"):
         return [_detection_check(d, budget)]
@@ -226,10 +243,25 @@ def _output_checks(d: dict, budget: float | None) -> list[Check]:
 
 
 def _metric(name: str, value: Any) -> str:
-    v = _num(value)
-    if v is None:
-        return "-"
-    return f"{v:.2%}" if name in ("accuracy", "top5", "exact_match") else f"{v:.4g}"
+    return metric(name).show(_num(value))
+
+
+def metric_value(value: Any, name: str | None) -> str:
+    """A value of metric ``name`` as a person reads it (a share in %, an error in its units)."""
+    return metric(name or "accuracy").show(_num(value))
+
+
+def metric_change(value: Any, name: str | None) -> str:
+    """How much worse, in the metric's change unit ("0.83 pp worse", "4.3 % RMSE worse")."""
+    return metric(name or "accuracy").show_change(_num(value))
+
+
+def metric_label(name: str | None) -> str:
+    return metric(name or "accuracy").label
+
+
+def change_label(name: str | None) -> str:
+    return metric(name or "accuracy").change_label
 
 
 def _outputs(sources: Sources) -> list[dict]:
@@ -356,11 +388,13 @@ def _sensitivity(sources: Sources) -> list[dict]:
         d = doc.data
         fast = [f for f in d.get("fast") or [] if _num(f.get("channel_sqnr_db")) is not None]
         exact = d.get("exact") or []
+        name = d.get("metric") or "accuracy"
         if any(_num(e.get("loss_pp")) for e in exact):  # all zero: the SQNR bars say more
             figure = figures.sensitivity_bars(
                 [e["layer"] for e in exact],
                 [_num(e.get("loss_pp")) or 0.0 for e in exact],
-                "accuracy lost when only this layer is int8 (pp), most sensitive (by output error) first",
+                f"{metric_label(name)} lost when only this layer is int8 ({change_label(name)}), "
+                "most sensitive (by output error) first",
             )
         elif fast:
             figure = figures.sensitivity_bars(
@@ -375,6 +409,7 @@ def _sensitivity(sources: Sources) -> list[dict]:
                 "path": str(doc.path),
                 "model": d.get("model"),
                 "data": d.get("data"),
+                "metric": name,
                 "fp32_accuracy": d.get("fp32_accuracy"),
                 "int8_accuracy": d.get("int8_accuracy"),
                 "figure": figure,
@@ -402,6 +437,8 @@ def _plans(sources: Sources) -> tuple[list[dict], list[Check]]:
         out.append(
             {
                 "path": str(doc.path),
+                "metric": d.get("metric") or "accuracy",
+                "verdict": Verdict.from_dict(d["verdict"]).line() if d.get("verdict") else None,
                 "max_drop_pp": d.get("max_drop_pp"),
                 "met": d.get("met"),
                 "accuracy": d.get("accuracy"),
@@ -419,7 +456,8 @@ def _plans(sources: Sources) -> tuple[list[dict], list[Check]]:
                 Check(
                     bool(d["met"]),
                     f"plan {doc.path.name}: {'meets' if d['met'] else 'does not meet'} its "
-                    f"{d.get('max_drop_pp'):g} pp budget (drop {signed(d.get('drop_pp'))} pp)",
+                    f"{d.get('max_drop_pp'):g} {change_label(d.get('metric'))} budget "
+                    f"({metric_change(d.get('drop_pp'), d.get('metric'))} on {d.get('samples', '?')} samples)",
                 )
             )
     return out, checks
@@ -524,6 +562,7 @@ def _fleet(sources: Sources) -> tuple[list[dict], list[Check]]:
             median_ms=runs[0]["latency"]["median_ms"] if runs else None,
             p90_ms=runs[0]["latency"].get("p90_ms") if runs else None,
             accuracy=acc.get("accuracy"),
+            metric=acc.get("metric") or "accuracy",
             temperature_c=env.get("temperature_c"),
             governor=env.get("governor"),
         )
@@ -642,7 +681,8 @@ def render(sources: Sources, title: str | None = None) -> tuple[str, dict]:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(pct=pct, signed=signed, fixed=fixed, size=size)
+    env.filters.update(pct=pct, signed=signed, fixed=fixed, size=size, metric_value=metric_value)
+    env.filters.update(metric_change=metric_change, metric_label=metric_label, change_label=change_label)
     return env.get_template("report.html.j2").render(**context), context
 
 

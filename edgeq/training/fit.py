@@ -409,7 +409,8 @@ def _resolve(config: TrainConfig):
             ) from exc
     dataset.check_finite()
     declared = config.task or (recipe.task if recipe else None)
-    specs = output_specs(model, declared, None, dataset)
+    # a user's file also says what its outputs are in its compile config (a from_logits cross-entropy)
+    specs = output_specs(model, declared, config.model if recipe is None else None, dataset)
     objs = objectives(model, specs, config.model if recipe is None else None, config.loss)
     reason = "--distill" if config.distill else None
     if not dataset.labelled and not any(o.spec.kind == "reconstruction" for o in objs):
@@ -507,6 +508,12 @@ def start_ranges(init_ranges: str, float_model, objs) -> tuple[str | None, set[s
     return ("minmax", preprocessing) if preprocessing else (None, None)
 
 
+def _soft(targets) -> bool:
+    """Targets that are a teacher's probabilities or logits, not 0/1 labels."""
+    t = None if targets is None else np.asarray(targets)
+    return t is not None and np.issubdtype(t.dtype, np.floating) and not np.all(np.isin(t, (0.0, 1.0)))
+
+
 def _stage_metric(
     model, dataset, split: str, objs, plan, batch_size: int = 256, by_keras: bool = True
 ) -> tuple[str, float]:
@@ -525,6 +532,8 @@ def _stage_metric(
     targets = x if plan[0] == "input" else dataset.targets(split, plan[0])
     if first.kind == "classification" and targets is not None and np.ndim(targets) > 1 and np.shape(targets)[-1] > 1:
         targets = predicted_classes(targets)  # a teacher's scores: its classes
+    elif first.kind in ("binary", "multilabel") and _soft(targets):
+        targets = (np.asarray(targets) >= first.threshold).astype(np.int64)  # a teacher's probabilities: its answers
     if first.kind == "reconstruction":
         targets = dataset.targets(split) if dataset.labelled else None
     scores = score(first, outputs[0], targets, x if not isinstance(x, dict) else None)
