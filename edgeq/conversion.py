@@ -29,6 +29,8 @@ from edgeq.runtime.flatbuffer import precision_counts, verify_tflite
 from edgeq.runtime.inputs import ROUNDING as INPUT_ROUNDING
 from edgeq.runtime.inputs import manifest_beside
 from edgeq.runtime.interpreter import TFLiteModel
+from edgeq.tasks import TASKS
+from edgeq.verdicts import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +314,8 @@ class ConvertOptions:
     ptq_target_db: float | None = None  # --ptq auto stops at the first candidate this good; None: min_sqnr_db
     input_shape: str | None = None  # --input-shape HxWxC (or NAME=HxWxC,...): fixes a fully convolutional input
     task: str | None = None  # --task KIND | NAME=KIND,... | tasks.json: what each output is (else inferred)
+    # --max-drop: outputs with a task metric are verified by it on labelled held-out samples (Verdict), not SQNR
+    max_drop: float | None = None
 
     def __post_init__(self):
         try:
@@ -428,6 +432,8 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         _check_held_out(held, dataset, searching and not plan, options.ptq)
     started = time.perf_counter()
     route = {"searching": searching, "is_qat": is_qat, "source_name": source_name}
+    # a model whose every output is classes: --ptq candidates are chosen by their answers (top-1 agreement)
+    route["by_answers"] = all(TASKS[o.kind].classes for o in outputs)
     flatbuffer, ptq_record = _quantize(keras_model, reference_model, spec, dataset, options, held, route, notes)
     seconds = time.perf_counter() - started
 
@@ -435,7 +441,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     try:
         verification = _verify(
             tflite, reference_model, spec, held, data_spec, io_type, source_name, options.min_sqnr_db, outputs,
-            _held_targets(dataset, held, outputs),
+            _held_targets(dataset, held, outputs), options.max_drop,
         )  # fmt: skip
     except ConversionError as exc:
         if hint:  # the likeliest cause of a failed verification, said in the same line
@@ -645,7 +651,7 @@ def _quantize(
             ptq_record = {"requested": options.ptq, "chosen": ranges, "plan": str(plan), "candidates": []}
         elif searching:
             flatbuffer, ptq_record = _convert_searching_ranges(
-                keras_model, reference_model, spec, dataset, options, held
+                keras_model, reference_model, spec, dataset, options, held, route["by_answers"]
             )
             notes.append(ptq_record.pop("note"))
         else:  # the mode's own exporter, named by its row of MODES
@@ -707,9 +713,10 @@ def _check_held_out(held, dataset, choosing: bool, ptq: str) -> None:
 
 
 def _convert_searching_ranges(
-    keras_model, reference_model, spec: ModeSpec, dataset, options: ConvertOptions, held: HeldOut
+    keras_model, reference_model, spec: ModeSpec, dataset, options: ConvertOptions, held: HeldOut, by_answers=False
 ):
-    """Integer PTQ by each --ptq candidate; the best by SQNR against FP32 on held-out samples.
+    """Integer PTQ by each --ptq candidate; the best by SQNR against FP32 on held-out samples (``by_answers``,
+    a classifier: by top-1 agreement with FP32, then SQNR: it is judged by its answers, not its logits).
 
     Every candidate is a real conversion, measured in LiteRT. ``converter`` is the converter's
     own calibration; each of edgeq's methods is the same conversion with every calibrated
@@ -759,8 +766,9 @@ def _convert_searching_ranges(
             candidates.append({"method": method, "error": first, "seconds": round(time.perf_counter() - start, 3)})
             continue
         candidates.append(_candidate(method, cmp, start))
-        if best is None or cmp.sqnr_db > best[1]:
-            best = (method, cmp.sqnr_db, flatbuffer)
+        key = (cmp.agreement, cmp.sqnr_db) if by_answers else (cmp.sqnr_db,)
+        if best is None or key > best[1]:
+            best = (method, key, flatbuffer)
         if cmp.sqnr_db >= target and method != methods[-1]:
             stopped_at = target  # good enough: the rest are not tried
             break
@@ -769,8 +777,9 @@ def _convert_searching_ranges(
             f"every --ptq candidate failed: {'; '.join(c['method'] + ': ' + c['error'] for c in candidates)}"
         )
     tried = ", ".join(_described(c) for c in candidates)
+    by = f"top-1 agreement with FP32 ({best[1][0]:.1%}), then SQNR," if by_answers else "SQNR vs FP32"
     note = (
-        f"--ptq {options.ptq}: {best[0]} ranges chosen by SQNR vs FP32 on {len(x_check)} {split} samples, "
+        f"--ptq {options.ptq}: {best[0]} ranges chosen by {by} on {_count(x_check)} {split} samples, "
         f"not those verification uses ({tried}"
         f"{'; stopped at the target ' + format(stopped_at, '.1f') + ' dB' if stopped_at is not None else ''})"
     )
@@ -781,6 +790,7 @@ def _convert_searching_ranges(
         "requested": options.ptq,
         "chosen": best[0],
         "target_db": target,
+        "chosen_by": "agreement, sqnr_db" if by_answers else "sqnr_db",
         "weight_ranges": options.weight_ranges,
         "rounding": rounding,
         "checked_on": f"{len(x_check)} {split} samples",
@@ -1169,21 +1179,24 @@ def _held_targets(dataset, held, outputs) -> dict:
     return found
 
 
-def _task_verdict(output, reference, got, targets, x) -> dict | None:
+def _task_verdict(output, reference, got, targets, x, budget: float | None = None) -> dict | None:
     """What verification saw of the output's task metric on its labelled samples: both values, the
-    change with n and its paired interval (edgeq.tasks.Verdict); None where nothing scores it."""
+    change with n and its paired interval (edgeq.verdicts.Verdict); None where nothing scores it.
+    With a budget (--max-drop), an output with a task metric that nothing scores is refused."""
+    from edgeq.tasks import task
     from edgeq.verdicts import NothingJudged, judge
 
-    if targets is None and output.kind != "reconstruction":
-        return None
+    gated = budget is not None and bool(task(output.kind).primary) and not output.kind.startswith("detection")
     try:
-        return judge(output, reference, got, targets, x if not isinstance(x, dict) else None).to_dict()
-    except NothingJudged:
+        return judge(output, reference, got, targets, x if not isinstance(x, dict) else None, budget).to_dict()
+    except NothingJudged as exc:
+        if gated:
+            raise NothingJudged(f"--max-drop {budget:g}: {exc} (the held-out samples verification uses)") from None
         return None
 
 
 def _verify(
-    tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db, outputs, targets=None
+    tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db, outputs, targets=None, max_drop=None
 ) -> Verification:
     """The converted model against the source, output by output (matched by name, never position);
     with labels, each output's task metric too (n, change, paired interval)."""
@@ -1221,7 +1234,10 @@ def _verify(
         if not np.all(np.isfinite(got[o.name])):
             raise ConversionError(f"{source_name}: the converted model's output {o.name!r} holds NaN/inf")
         cmp = compare(o, ref, got[o.name])
-        ok = cmp.sqnr_db >= thresholds[o.name]
+        verdict = _task_verdict(o, ref, got[o.name], (targets or {}).get(o.name), x, max_drop)
+        # with --max-drop an output with a task metric is judged by it; the rest (and without it, all) by SQNR
+        by_task = verdict is not None and verdict["passed"] is not None
+        ok = verdict["passed"] if by_task else cmp.sqnr_db >= thresholds[o.name]
         per_output.append(
             {
                 "name": o.name,
@@ -1233,11 +1249,22 @@ def _verify(
                 "mean_abs_error": cmp.mae,
                 "cosine": cmp.cosine,
                 "passed": bool(ok),
-                "verdict": _task_verdict(o, ref, got[o.name], (targets or {}).get(o.name), x),
+                "judged_by": verdict["metric"] if by_task else "sqnr_db",
+                "verdict": verdict,
             }
         )
-        if not ok:
+        if not ok and by_task:
+            failed.append(Verdict.from_dict(verdict).line())
+        elif not ok:
             failed.append(f"{o.name} {cmp.sqnr_db:.1f} dB < {thresholds[o.name]:.1f}")
+    if max_drop is not None and not any(p["judged_by"] != "sqnr_db" for p in per_output):
+        from edgeq.verdicts import NothingJudged
+
+        raise NothingJudged(
+            f"--max-drop {max_drop:g}: no output of {source_name} has a task metric its held-out samples score "
+            f"({', '.join(f'{o.name}: {o.kind}' for o in outputs)}); give labels ('y' or 'y_<output>'), declare "
+            "the task with --task, or verify by SQNR without --max-drop"
+        )
     first = per_output[0]
     agreements = [p["agreement"] for p in per_output if p["agreement"] is not None]
     verification = Verification(
@@ -1255,13 +1282,24 @@ def _verify(
         outputs=tuple(per_output),
     )
     if failed:
-        what = "output SQNR" if len(outputs) == 1 else "output SQNR of " + ", ".join(f.split()[0] for f in failed)
-        agreement = f" (top-1 agreement {verification.agreement:.1%})" if verification.agreement is not None else ""
-        raise ConversionError(
-            f"{source_name}: verification failed: {what} vs the Keras model is below the threshold "
-            f"({'; '.join(failed)}){agreement}; try QAT (edgeq train), per-channel, or --min-sqnr to accept it"
-        )
+        raise ConversionError(_verification_failure(source_name, failed, verification, per_output, max_drop))
     return verification
+
+
+def _verification_failure(source_name, failed, verification, per_output, max_drop) -> str:
+    """The one line a failed verification ends with: what failed, on how many samples, and what to try."""
+    n = verification.samples
+    if max_drop is not None:
+        return f"{source_name}: verification failed on {n} held-out samples: {'; '.join(failed)}; try QAT (edgeq train)"
+    agreement = f", top-1 agreement {verification.agreement:.1%}" if verification.agreement is not None else ""
+    answers = [Verdict.from_dict(p["verdict"]).line() for p in per_output if p.get("verdict") and not p["passed"]]
+    judged = f"; by its task: {'; '.join(answers)}" if answers else ""
+    hint = "; --max-drop PP judges a classifier by its answers" if answers or agreement else ""
+    return (
+        f"{source_name}: verification failed: output SQNR vs the Keras model below the threshold on {n} held-out "
+        f"samples ({'; '.join(failed)}{agreement}){judged}; try QAT (edgeq train), per-channel, or --min-sqnr to "
+        f"accept it{hint}"
+    )
 
 
 def _count(x) -> int:

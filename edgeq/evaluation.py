@@ -187,7 +187,6 @@ def evaluate(
         )
     first = rows[0]["comparison"]
     agreements = [r["comparison"]["agreement"] for r in rows if r["comparison"]["agreement"] is not None]
-    drops = [r["drop"] for r in rows if r["drop"] is not None] + ([detection["drop"]] if detection else [])
     size = model.stat().st_size
     return EvalResult(
         model=str(model),
@@ -208,7 +207,9 @@ def evaluate(
         size_ratio=size / ref_size if ref_size else float("nan"),
         model_dtype=quantized.input.dtype,
         max_drop_pp=max_drop_pp,
-        passed=max_drop_pp is None or (bool(drops) and all(d <= max_drop_pp for d in drops)),
+        # every judged output within the budget (and a detector's mAP); nothing judged was refused above
+        passed=max_drop_pp is None
+        or (all(v.passed for v in verdicts) and (detection is None or detection["drop"] <= max_drop_pp)),
         outputs=tuple(rows),
         labelled=dataset.labelled,
         detection=detection,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class Task:
     higher_is_better: bool
     unit: str  # of a change in the primary metric: "pp" (percentage points) or "%" (relative increase)
     classes: bool  # outputs are class scores: top-1 agreement is meaningful
+    keras_metric: str | None = None  # what Keras shows while edgeq train fits it
 
     @property
     def metric(self) -> Metric | None:
@@ -56,6 +57,7 @@ TASKS: dict[str, Task] = {
         True,
         "pp",
         True,
+        "accuracy",
     ),
     "binary": Task(
         "binary",
@@ -67,6 +69,7 @@ TASKS: dict[str, Task] = {
         True,
         "pp",
         True,
+        "binary_accuracy",
     ),
     "multilabel": Task(
         "multilabel",
@@ -78,17 +81,19 @@ TASKS: dict[str, Task] = {
         True,
         "pp",
         False,
+        "binary_accuracy",
     ),
     "regression": Task(
         "regression",
-        "float targets",
-        "float arrays of the output's shape",
+        "values (a linear output; whole-numbered targets too, such as ages or counts)",
+        "values of the output's shape, float or whole numbers",
         "mse",
         ("mae", "rmse", "max_error", "r2"),
         "rmse",
         False,
         "%",
         False,
+        "mae",
     ),
     "reconstruction": Task(
         "reconstruction",
@@ -100,6 +105,7 @@ TASKS: dict[str, Task] = {
         True,
         "pp",
         False,
+        "mse",
     ),
     "detection_boxes": Task(
         "detection_boxes",
@@ -133,6 +139,7 @@ TASKS: dict[str, Task] = {
         True,
         "",
         False,
+        "mse",
     ),
 }
 
@@ -148,7 +155,8 @@ def task(kind: str) -> Task:
     try:
         return TASKS[kind]
     except KeyError:
-        raise UsageError(f"unknown task {kind!r}; choose one of: {', '.join(TASKS)}") from None
+        kinds = "; ".join(f"{k} ({row.help})" for k, row in TASKS.items())
+        raise UsageError(f"unknown task {kind!r}; choose one of: {kinds}") from None
 
 
 @dataclass(frozen=True)
@@ -401,18 +409,6 @@ def _with_agreement(cmp: OutputComparison, agreement: float) -> OutputComparison
     from dataclasses import replace
 
     return replace(cmp, agreement=agreement)
-
-
-@dataclass(frozen=True)
-class OutputResult:
-    """One output of one model on labelled data: its task's metrics, and how it compares."""
-
-    name: str
-    kind: str
-    metrics: dict = field(default_factory=dict)  # of the quantized (or only) model
-    reference_metrics: dict = field(default_factory=dict)
-    drop: float | None = None  # in the task's unit
-    comparison: OutputComparison | None = None
 
 
 def _compiled_kind(family: str, shape: tuple[int, ...], input_shape) -> str | None:

@@ -144,7 +144,7 @@ def judge(
     if targets is None and not (spec.kind == "reconstruction" and inputs is not None and name == "reconstruction_mse"):
         raise NothingJudged(
             f"output {spec.name!r} ({spec.kind}) has no targets in the data, so its {metric(name).label} cannot be "
-            f"judged; give them as 'y' (one output) or 'y_{spec.name}'"
+            f"judged; give them ({task(spec.kind).targets}) as 'y' (one output) or 'y_{spec.name}'"
         )
     targets_ = None if targets is None else np.asarray(targets)
     n = len(quantized)

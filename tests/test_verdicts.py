@@ -227,6 +227,11 @@ def test_analyze_and_profile_speak_a_regressors_rmse_not_an_accuracy(cli, ages, 
     assert "RMSE vs reference" in profiled.stdout and "% RMSE" in profiled.stdout
     (first, *_) = json.loads((tmp_path / "p.json").read_text())["comparison"]
     assert first["metric"] == "rmse" and first["change_unit"] == "%"
+    page = tmp_path / "report.html"
+    made = cli("report", tmp_path / "s.json", tmp_path / "plan.json", tmp_path / "p.json", int8, "--out", page)
+    assert made.exit_code == 0, made.output
+    html = page.read_text()
+    assert "RMSE FP32" in html and "% RMSE budget" in html and "RMSE lost alone (% RMSE)" in html
 
 
 def test_multi_input_calibration_feeds_each_input_by_its_exact_name():
@@ -266,3 +271,21 @@ def test_label_free_qat_of_a_logits_classifier_reads_its_compile_config(cli, tmp
     gain = run["int8_comparison"]
     assert gain["metric"] == "accuracy" and gain["label_free"] and gain["ptq"]["value"] > 0.5, gain
     assert "int8 on val (top-1 agreement with FP32, n=" in trained.output
+
+
+def test_convert_max_drop_verifies_by_the_task_metric_with_its_evidence(cli, ages, tmp_path):
+    folder, _ = ages
+    data = f"npz:{folder / 'ages.npz'}"
+    out = tmp_path / "age.tflite"
+    ok = cli("convert", folder / "age.keras", "--int8-only", "--calib", data, "--max-drop", "50", "--out", out)
+    assert ok.exit_code == 0, ok.output
+    (o,) = json.loads(out.with_suffix(".manifest.json").read_text())["verification"]["outputs"]
+    assert o["judged_by"] == "rmse" and o["verdict"]["budget"] == 50 and o["verdict"]["passed"] is True
+    assert "task metric: head0: RMSE" in ok.stdout and f"n={o['verdict']['n']}" in ok.stdout
+    strict = cli("convert", folder / "age.keras", "--int8-only", "--calib", data, "--max-drop", "-100",
+                 "--out", tmp_path / "strict.tflite")  # fmt: skip
+    assert_one_line_error(strict, "verification failed on", "head0: RMSE", "budget -100 % RMSE: FAIL")
+    assert not (tmp_path / "strict.tflite").exists()  # nothing half-written
+    unlabelled = cli("convert", folder / "age.keras", "--int8-only", "--calib", f"npz:{folder / 'x_only.npz'}",
+                     "--max-drop", "5", "--out", tmp_path / "x.tflite")  # fmt: skip
+    assert_one_line_error(unlabelled, "--max-drop 5", "no output", "give labels")

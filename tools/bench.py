@@ -33,6 +33,7 @@ SECTIONS = (
     "distribute",
     "fuzz",
     "report",
+    "verdicts",
     "device",
 )
 

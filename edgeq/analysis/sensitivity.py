@@ -22,10 +22,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from edgeq.errors import UsageError
-from edgeq.metrics import predicted_classes
 from edgeq.quantize.calibration import Calibrated, calibrate, predict
 from edgeq.shims.tflite import native_output_silenced
-from edgeq.tasks import OutputSpec, drop, score, task
+from edgeq.tasks import OutputSpec, drop, predicted, score, task
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +167,7 @@ LABEL_FREE_KINDS = ("classification", "binary", "multilabel")
 
 def fp32_answers(spec: OutputSpec, outputs: np.ndarray) -> np.ndarray:
     """The class ids (or 0/1 labels) the FP32 model gives: the labels of unlabelled data."""
-    out = np.asarray(outputs)
-    if spec.kind == "classification":
-        return predicted_classes(out, f"output {spec.name!r}")
-    answers = (out.reshape(len(out), -1) >= spec.threshold).astype(np.int64)
-    return answers[:, 0] if spec.kind == "binary" else answers
+    return predicted(spec, outputs)
 
 
 def exact_sensitivity(cal: Calibrated, x: np.ndarray, quality: Quality, progress=None) -> tuple[float, float, list]:

@@ -98,6 +98,13 @@ def _mode_options(func):
     help="--ptq auto keeps the converter's ranges when they reach this SQNR (default: the verification "
     "threshold); a high value always scores edgeq's methods too and keeps the best.",
 )
+@click.option(
+    "--max-drop",
+    type=float,
+    help="Verify each output that has a task metric by it, on the labelled held-out samples, instead of by "
+    "SQNR: at most this much worse than the source model (points of accuracy or AUC, percent of RMSE), with n "
+    "and a paired 95% interval. A classifier is judged by its answers, not by the SQNR of its logits.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of stochastic rounding and AdaRound.")
 @click.option(
     "--weight-bits",
@@ -142,6 +149,7 @@ def convert(
     weight_bits,
     input_shape,
     task,
+    max_drop,
 ):
     """Convert MODEL (.keras/.h5/SavedModel; a QAT model needs no calibration) to TFLite,
     then load it in LiteRT and verify it against MODEL before writing it."""
@@ -171,6 +179,7 @@ def convert(
         ptq_target_db=ptq_target,
         input_shape=input_shape,
         task=task,
+        max_drop=max_drop,
     )
     with Heartbeat(f"convert {model}"):  # a --ptq search or a big model: a line every 30 s in a log
         result = run_convert(model, out, options)

@@ -260,11 +260,21 @@ def _profile_fleet(model, options, targets, inventory_path, rollout, results_dir
                 r.runtime,
                 ms(r.mean_ms),
                 ms(r.median_ms),
-                pct(r.accuracy),
+                "-" if r.accuracy is None else f"{metric(r.metric).label} {metric(r.metric).show(r.accuracy)}",
                 f"{o.seconds:.1f}",
                 str(r.local_json),
             ]
         )
-    headers = ["device", "status", "arch", "runtime", "mean ms", "median ms", "accuracy", "seconds", "result / error"]
+    headers = [
+        "device",
+        "status",
+        "arch",
+        "runtime",
+        "mean ms",
+        "median ms",
+        "task metric",
+        "seconds",
+        "result / error",
+    ]
     click.echo(table(headers, rows, numbers=True))
     failed_exit(outcomes)

@@ -77,10 +77,11 @@ class RemoteProfile:
     runtime: str
     mean_ms: float
     median_ms: float
-    accuracy: float | None
+    accuracy: float | None  # the first output's task metric (``metric``: accuracy, rmse, auc, map50)
     push: PushSummary
     report: dict = field(repr=False, default_factory=dict)
     commands: int = 0  # commands run on the device, the push's included, up to the profile's own
+    metric: str | None = None
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,8 @@ def profile_on(
 
             write_json_atomic(local, report)
     run = report["model"]["runs"][0]["latency"]
-    accuracy = (report["model"].get("accuracy") or {}).get("accuracy")
+    scored = report["model"].get("accuracy") or {}
+    accuracy = scored.get("accuracy")
     env = report["environment"]
     return RemoteProfile(
         local_json=local,
@@ -393,6 +395,7 @@ def profile_on(
         push=pushed,
         report=report,
         commands=commands,
+        metric=scored.get("metric") or ("map50" if scored.get("detection") else "accuracy"),
     )
 
 

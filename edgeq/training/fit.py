@@ -32,7 +32,6 @@ from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_ato
 from edgeq.compat import keras, tf
 from edgeq.data import load_dataset, normal_samples_for_training
 from edgeq.errors import DataError, TrainingDiverged, TrainingInterrupted, UsageError
-from edgeq.metrics import predicted_classes
 from edgeq.model_io import (
     FP32_NAME,
     QAT_FLOAT_NAME,
@@ -48,7 +47,7 @@ from edgeq.model_io import (
     output_specs,
     with_input_shape,
 )
-from edgeq.tasks import score, task
+from edgeq.tasks import predicted, score, task
 from edgeq.training import distill, distribute, pipeline, schemes
 from edgeq.training.layer_config import LayerConfig, LayerPrecision
 from edgeq.training.objectives import check_targets, compile_for, objectives, target_plan, with_detection_targets
@@ -530,10 +529,9 @@ def _stage_metric(
     x, _ = dataset.split(split)
     outputs = keras_outputs_in_order(model, x, batch_size)
     targets = x if plan[0] == "input" else dataset.targets(split, plan[0])
-    if first.kind == "classification" and targets is not None and np.ndim(targets) > 1 and np.shape(targets)[-1] > 1:
-        targets = predicted_classes(targets)  # a teacher's scores: its classes
-    elif first.kind in ("binary", "multilabel") and _soft(targets):
-        targets = (np.asarray(targets) >= first.threshold).astype(np.int64)  # a teacher's probabilities: its answers
+    teachers = first.kind == "classification" and targets is not None and np.ndim(targets) > 1
+    if (teachers and np.shape(targets)[-1] > 1) or (first.kind in ("binary", "multilabel") and _soft(targets)):
+        targets = predicted(first, targets)  # a teacher's scores or probabilities: its answers
     if first.kind == "reconstruction":
         targets = dataset.targets(split) if dataset.labelled else None
     scores = score(first, outputs[0], targets, x if not isinstance(x, dict) else None)

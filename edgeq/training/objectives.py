@@ -22,18 +22,6 @@ from edgeq.tasks import OutputSpec, task
 
 log = logging.getLogger(__name__)
 
-# The Keras metric shown while training, per task (the task's own metrics come after, from edgeq.tasks).
-KERAS_METRIC = {
-    "classification": "accuracy",
-    "binary": "binary_accuracy",
-    "multilabel": "binary_accuracy",
-    "regression": "mae",
-    "reconstruction": "mse",
-    "other": "mse",
-    "detection_boxes": None,
-    "detection_scores": None,
-}
-
 
 def masked_l1(y_true, y_pred):
     """L1 between a box head and its targets where the target's last channel (the mask) is 1:
@@ -171,7 +159,10 @@ def compile_for(model, objs: list[Objective], optimizer) -> None:
     """Compile ``model`` (float or its QAT form: outputs in the same order) with one loss per output."""
     losses = [o.loss for o in objs]
     # a distilled output learns the teacher's scores: a class metric would read them as labels
-    metrics = [[KERAS_METRIC[o.spec.kind]] if KERAS_METRIC[o.spec.kind] and o.source != "distill" else [] for o in objs]
+    metrics = [
+        [task(o.spec.kind).keras_metric] if task(o.spec.kind).keras_metric and o.source != "distill" else []
+        for o in objs
+    ]
     if len(objs) == 1:
         model.compile(optimizer=optimizer, loss=losses[0], metrics=metrics[0])
         return

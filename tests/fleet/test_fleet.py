@@ -68,6 +68,7 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
     assert machines == {"x86-venv": "x86_64", "pi4-emu": "aarch64"}
     lines = {line.split()[0]: line for line in profiled.stdout.splitlines() if line.strip()}
     assert " ok " in lines["x86-venv"] and " ok " in lines["pi4-emu"]
+    assert "accuracy " in lines["pi4-emu"] and "task metric" in profiled.stdout  # the metric names itself
 
     # the fleet section of `edgeq report`: one row per device, the device's own numbers
     from edgeq.reporting import collect
@@ -680,3 +681,27 @@ def test_runtime_rollback_in_a_virtualenv_over_ssh(cli, fleet, tmp_path, monkeyp
     assert again.exit_code == 0 and "venv, unchanged" in again.stdout, again.output
     kept = {p.name for p in (fleet.x86_workdir / "wheels").iterdir() if p.is_dir() and len(p.name) == 16}
     assert kept == {digest[first][:16], digest[second][:16]}  # each build's wheel, for the next rollback
+
+
+def test_a_regressor_on_a_device_speaks_rmse_and_has_no_top1(cli, fleet, tmp_path, monkeypatch):
+    """profile --on and verify of a 1-unit regressor: its RMSE in the table, no top-1 agreement for values."""
+    import numpy as np
+
+    from tests.test_verdicts import _regressor
+
+    monkeypatch.chdir(tmp_path)
+    model = _regressor(tmp_path / "reg.keras")
+    x = np.random.default_rng(0).normal(0, 1, (200, 6)).astype(np.float32)
+    np.savez(tmp_path / "reg.npz", x=x, y=model.predict(x, verbose=0).astype(np.float32))
+    out = tmp_path / "reg_int8.tflite"
+    assert cli("convert", tmp_path / "reg.keras", "--int8-only", "--calib", f"npz:{tmp_path / 'reg.npz'}",
+               "--out", out).exit_code == 0  # fmt: skip
+    profiled = _run(cli, fleet, "profile", out, "--data", tmp_path / "reg.npz", "--runs", "2", "--on", "x86-venv")
+    assert profiled.exit_code == 0, profiled.output
+    row = next(line for line in profiled.stdout.splitlines() if line.startswith("x86-venv"))
+    assert "RMSE " in row and "%" not in row.split("RMSE")[1].split()[0], row
+    verified = _run(cli, fleet, "verify", out, "--data", tmp_path / "reg.npz", "--limit", "16", "--on", "x86-venv",
+                    "--json", tmp_path / "v.json")  # fmt: skip
+    assert verified.exit_code == 0, verified.output
+    (device,) = json.loads((tmp_path / "v.json").read_text())["devices"]
+    assert device["top1_agreement"] is None and device["outputs"][0]["top1_agreement"] is None
