@@ -427,7 +427,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
             log.warning("%s", warning)
             notes.append(warning)
     # Held-out samples: a --ptq search chooses on one part, verification gates on another.
-    held = dataset.held_out(VERIFY_SAMPLES, select=VERIFY_SAMPLES if searching and not plan else 0) if dataset else None
+    # a task-metric gate (--max-drop) takes every held-out sample the choice leaves: n is its evidence
+    verify_n = VERIFY_SAMPLES if options.max_drop is None else None
+    held = dataset.held_out(verify_n, select=VERIFY_SAMPLES if searching and not plan else 0) if dataset else None
     if held is not None:
         _check_held_out(held, dataset, searching and not plan, options.ptq)
     started = time.perf_counter()
@@ -437,7 +439,9 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     flatbuffer, ptq_record = _quantize(keras_model, reference_model, spec, dataset, options, held, route, notes)
     seconds = time.perf_counter() - started
 
-    tflite = TFLiteModel(model_content=flatbuffer, use_default_delegates=False)
+    # verified with the kernels that run it on a device and in eval and profile (LiteRT's default, XNNPACK):
+    # on a trained EfficientNetB0 the built-in int8 kernels read 57.10% on val where XNNPACK reads 59.43%
+    tflite = TFLiteModel(model_content=flatbuffer)
     try:
         verification = _verify(
             tflite, reference_model, spec, held, data_spec, io_type, source_name, options.min_sqnr_db, outputs,
@@ -754,7 +758,7 @@ def _convert_searching_ranges(
             if weights is not None:
                 flatbuffer, folded = with_weight_codes(flatbuffer, weights.kernels)
                 weights.record["converter_folded"] = folded
-            got = TFLiteModel(model_content=flatbuffer, use_default_delegates=False).predict_outputs(x_check)
+            got = TFLiteModel(model_content=flatbuffer).predict_outputs(x_check)
             # several outputs (a detector's heads): the worst one decides, as in verification
             cmp = min((compare_outputs(reference[n], got[n]) for n in reference), key=lambda c: c.sqnr_db)
         except (UsageError, DataError):
@@ -1208,7 +1212,7 @@ def _verify(
     classes = None
     if held is not None:
         x, classes = held.x, held.classes
-        source = f"{held.split} samples of {data_spec} (calibration uses train)"
+        source = f"{held.split} samples of {data_spec} (calibration uses train; LiteRT's default kernels, XNNPACK)"
         if held.x_select is not None:
             source += f"; the --ptq choice used {len(held.x_select)} others"
         if classes is not None:

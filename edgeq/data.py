@@ -174,12 +174,13 @@ class _Splits:
         """N samples for calibration, drawn from train (never from test), stratified by class."""
         return self.take("train", self.calibration_indices(n, seed))
 
-    def held_out(self, n: int = 200, select: int = 0) -> HeldOut:
+    def held_out(self, n: int | None = 200, select: int = 0) -> HeldOut:
         """Samples disjoint from calibration (which draws from train): val, else test.
 
         ``select`` > 0 sets aside that many others, disjoint from the first, for choosing
         between candidates (``--ptq auto``): a choice and its verification on the same
         samples would favour the candidate that got lucky there. Both are stratified by class.
+        ``n`` None: every sample the choice does not take.
         """
         split = next((name for name in ("val", "test") if self.count(name)), None)
         if split is None:  # no held-out split: the train samples calibration does not draw
@@ -194,7 +195,7 @@ class _Splits:
             chosen = np.sort(chosen[:select])
         else:
             chosen = np.zeros(0, dtype=np.int64)
-        verify = np.sort(order[:n])
+        verify = np.sort(order[:n])  # n None: all of them
         return HeldOut(
             split,
             self.take(split, verify),

@@ -204,10 +204,9 @@ def infer_kind(
     """
     units = int(np.prod(shape)) if len(shape) else 1
     scores_like = len([d for d in shape if d != 1]) <= 1
-    if activation == "softmax" and scores_like and units > 1:
-        return "classification"
-    if activation == "sigmoid" and scores_like:
-        return "binary" if units == 1 else "multilabel"
+    by_head = _head_kind("classification" if activation == "softmax" else activation, shape)
+    if by_head is not None:
+        return by_head
     if targets is not None:
         t = np.asarray(targets)
         ids = t.ndim == 1 or (t.ndim == 2 and t.shape[1] == 1)
@@ -411,17 +410,24 @@ def _with_agreement(cmp: OutputComparison, agreement: float) -> OutputComparison
     return replace(cmp, agreement=agreement)
 
 
+def _head_kind(head: str | None, shape: tuple[int, ...]) -> str | None:
+    """The task a class head makes of an output of ``shape``: "classification" (softmax, or a cross-entropy
+    on logits) of K > 1 scores, "sigmoid" of one unit (binary) or K (multilabel); None otherwise."""
+    units = int(np.prod(shape)) if len(shape) else 1
+    if len([d for d in shape if d != 1]) > 1:
+        return None  # a score map is no class-score vector
+    if head == "classification" and units > 1:
+        return "classification"
+    if head == "sigmoid":
+        return "binary" if units == 1 else "multilabel"
+    return None
+
+
 def _compiled_kind(family: str, shape: tuple[int, ...], input_shape) -> str | None:
     """The task a compile config's loss family gives an output of ``shape`` (None: let the rest decide)."""
-    units = int(np.prod(shape)) if len(shape) else 1
-    scores_like = len([d for d in shape if d != 1]) <= 1
-    if family == "classification" and scores_like and units > 1:
-        return "classification"
-    if family == "sigmoid" and scores_like:
-        return "binary" if units == 1 else "multilabel"
-    if family == "regression" and not (input_shape is not None and tuple(shape) == tuple(input_shape)):
-        return "regression"
-    return None
+    if family == "regression":
+        return None if input_shape is not None and tuple(shape) == tuple(input_shape) else "regression"
+    return _head_kind(family, shape)
 
 
 def specs_for(

@@ -30,10 +30,9 @@ RANGES = ("converter", "minmax", "percentile", "mse", "entropy")
 
 
 def _set_bn_statistics(model, x) -> None:
-    """Moving mean/variance of every BN from one pass over real inputs (as a trained model has)."""
-    from edgeq.compat import keras
-
-    bns = [la for la in model.layers if isinstance(la, keras.layers.BatchNormalization)]
+    """Moving mean/variance of every BN from one pass over real inputs (as a trained model has);
+    a tf_keras or a Keras 3 model."""
+    bns = [la for la in model.layers if type(la).__name__ == "BatchNormalization"]
     saved = [bn.momentum for bn in bns]
     for bn in bns:
         bn.momentum = 0.0

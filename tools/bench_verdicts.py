@@ -38,21 +38,9 @@ def _edgeq(*args) -> tuple[int, str]:
     return done.returncode, "\n".join(lines)
 
 
-def _set_bn_statistics(model, x) -> None:
-    """Every BN's moving mean/variance from one pass over real inputs (a few epochs leave them near their
-    initial 0 and 1, and the network then outputs a constant). Keras 3 layers: bench_ptq's is for tf_keras."""
-    bns = [layer for layer in model.layers if type(layer).__name__ == "BatchNormalization"]
-    saved = [bn.momentum for bn in bns]
-    for bn in bns:
-        bn.momentum = 0.0
-    model(x, training=True)
-    for bn, momentum in zip(bns, saved):
-        bn.momentum = momentum
-
-
 def _train(folder: Path, name: str, photos: str) -> tuple[Path, str]:
     import keras
-    from bench_ptq import _raw_pixels
+    from bench_ptq import _raw_pixels, _set_bn_statistics
 
     from edgeq.data import load_dataset
 
@@ -97,8 +85,14 @@ def measure(name: str) -> dict:
             plan = json.loads((folder / "plan.json").read_text())
             row["plan_json"] = {k: plan.get(k) for k in ("met", "verdict", "layers", "samples")}
             if plan.get("layers"):
+                planned = folder / "planned.tflite"
                 row["convert_plan"] = _edgeq("convert", model, "--int8", "--plan", folder / "plan.json",
-                                             "--calib", data, "--out", folder / "planned.tflite")  # fmt: skip
+                                             "--calib", data, "--out", planned)  # fmt: skip
+                # the converted plan on the split the plan measured: the same model gives the same accuracy
+                row["eval_plan_val"] = _edgeq("eval", planned, "--reference", model, "--data", data,
+                                              "--split", "val", "--max-drop", "1")  # fmt: skip
+                row["eval_int8_val"] = _edgeq("eval", out, "--reference", model, "--data", data,
+                                              "--split", "val", "--max-drop", "1")  # fmt: skip
         return row
 
 
@@ -122,6 +116,8 @@ def run() -> str:
             ("eval", "`edgeq eval --max-drop 1` of the `--ptq converter` model (test split)"),
             ("plan", f"`edgeq analyze plan --max-drop 1` (val split, {row.get('plan_seconds')} s)"),
             ("convert_plan", "`edgeq convert --int8 --plan plan.json` (the plan just written)"),
+            ("eval_plan_val", "`edgeq eval --split val --max-drop 1` of that converted plan (the plan's own split)"),
+            ("eval_int8_val", "`edgeq eval --split val --max-drop 1` of the `--ptq converter` model"),
         ):
             if key in row:
                 code, text = row[key]
