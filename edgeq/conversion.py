@@ -769,7 +769,7 @@ def _convert_searching_ranges(
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             candidates.append({"method": method, "error": first, "seconds": round(time.perf_counter() - start, 3)})
             continue
-        candidates.append(_candidate(method, cmp, start))
+        candidates.append(_candidate(method, cmp, start, by_answers))
         key = (cmp.agreement, cmp.sqnr_db) if by_answers else (cmp.sqnr_db,)
         if best is None or key > best[1]:
             best = (method, key, flatbuffer)
@@ -858,12 +858,13 @@ def _calibration_record(dataset: Dataset, n: int) -> dict:
     }
 
 
-def _candidate(method: str, cmp, start: float) -> dict:
-    """A candidate converted and measured in LiteRT (seconds: since its work began)."""
+def _candidate(method: str, cmp, start: float, classes: bool) -> dict:
+    """A candidate converted and measured in LiteRT (seconds: since its work began); top-1 agreement
+    only where the outputs are classes (a box or a value has no top-1)."""
     return {
         "method": method,
         "sqnr_db": round(cmp.sqnr_db, 3),
-        "agreement": round(cmp.agreement, 6),
+        "agreement": round(cmp.agreement, 6) if classes else None,
         "seconds": round(time.perf_counter() - start, 3),
     }
 
