@@ -296,7 +296,7 @@ def _score_output(spec: OutputSpec, ref: np.ndarray, got: np.ndarray, dataset, s
         "name": spec.name,
         "task": spec.kind,
         "primary": task(spec.kind).primary or None,
-        "unit": task(spec.kind).unit or None,
+        "unit": task(spec.kind).metric.change if task(spec.kind).metric else None,
         "metrics": metrics,
         "reference_metrics": reference_metrics,
         "drop": drop(spec, reference_metrics, metrics),

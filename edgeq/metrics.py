@@ -143,11 +143,11 @@ class Metric:
         return round(worse, 6)
 
     def show_change(self, worse: float | None) -> str:
-        """A change as words: "0.83 pp worse", "+12.1% RMSE (worse)", "2.0 points better"."""
+        """A change as words: "0.83 pp worse", "12.10 % RMSE worse", "2.00 points better"."""
         if worse is None or not math.isfinite(worse):
             return "-" if worse is None else str(worse)
         side = "worse" if worse > 0 else "better" if worse < 0 else "no change"
-        return f"{abs(worse):.2f} {self.change_label} {side}".strip() if worse else f"0 {self.change_label} (no change)"
+        return f"{abs(worse):.2f} {self.change_label} {side}" if worse else f"0 {self.change_label} (no change)"
 
     @property
     def change_label(self) -> str:

@@ -34,9 +34,8 @@ class Task:
     targets: str  # what the data gives for this output
     loss: str  # Keras loss for training (edgeq train)
     metrics: tuple[str, ...]  # what ``score`` reports
-    primary: str  # the metric a budget (--max-drop) reads
-    higher_is_better: bool
-    unit: str  # of a change in the primary metric: "pp" (percentage points) or "%" (relative increase)
+    primary: str  # the metric a budget (--max-drop) reads: its row of edgeq.metrics.METRICS says its unit,
+    # direction and how a change in it is written
     classes: bool  # outputs are class scores: top-1 agreement is meaningful
     keras_metric: str | None = None  # what Keras shows while edgeq train fits it
 
@@ -55,8 +54,6 @@ TASKS: dict[str, Task] = {
         ("accuracy", "top5"),
         "accuracy",
         True,
-        "pp",
-        True,
         "accuracy",
     ),
     "binary": Task(
@@ -67,8 +64,6 @@ TASKS: dict[str, Task] = {
         ("accuracy", "auc"),
         "accuracy",
         True,
-        "pp",
-        True,
         "binary_accuracy",
     ),
     "multilabel": Task(
@@ -78,8 +73,6 @@ TASKS: dict[str, Task] = {
         "binary_crossentropy",
         ("accuracy", "exact_match", "auc"),
         "accuracy",
-        True,
-        "pp",
         False,
         "binary_accuracy",
     ),
@@ -91,8 +84,6 @@ TASKS: dict[str, Task] = {
         ("mae", "rmse", "max_error", "r2"),
         "rmse",
         False,
-        "%",
-        False,
         "mae",
     ),
     "reconstruction": Task(
@@ -102,8 +93,6 @@ TASKS: dict[str, Task] = {
         "mse",
         ("reconstruction_mse", "auc", "pauc"),
         "auc",
-        True,
-        "pp",
         False,
         "mse",
     ),
@@ -114,8 +103,6 @@ TASKS: dict[str, Task] = {
         "masked_l1",
         (),
         "",
-        True,
-        "",
         False,
     ),
     "detection_scores": Task(
@@ -125,8 +112,6 @@ TASKS: dict[str, Task] = {
         "focal",
         (),
         "",
-        True,
-        "",
         False,
     ),
     "other": Task(
@@ -135,8 +120,6 @@ TASKS: dict[str, Task] = {
         "none",
         "mse",
         (),
-        "",
-        True,
         "",
         False,
         "mse",

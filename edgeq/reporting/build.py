@@ -228,7 +228,7 @@ def _output_checks(d: dict, budget: float | None) -> list[Check]:
     for o in d.get("outputs") or []:
         if o.get("drop") is None:
             continue
-        unit = "pp" if o.get("unit") == "pp" else "%"
+        unit = change_label(o["primary"])
         text = (
             f"{_name(d['model'])}: output {o['name']} ({o['task']}) {o['primary']} "
             f"{_metric(o['primary'], o['reference_metrics'].get(o['primary']))} -> "
@@ -301,7 +301,7 @@ def _outputs(sources: Sources) -> list[dict]:
                     )
                     or "compared only",
                     "drop": o.get("drop"),
-                    "unit": "pp" if o.get("unit") == "pp" else ("%" if o.get("unit") else ""),
+                    "unit": change_label(o["primary"]) if o.get("primary") else "",
                     "sqnr_db": c.get("sqnr_db"),
                     "agreement": c.get("agreement"),
                 }
