@@ -29,8 +29,8 @@ from edgeq.runtime.flatbuffer import precision_counts, verify_tflite
 from edgeq.runtime.inputs import ROUNDING as INPUT_ROUNDING
 from edgeq.runtime.inputs import manifest_beside
 from edgeq.runtime.interpreter import TFLiteModel
-from edgeq.tasks import TASKS
-from edgeq.verdicts import Verdict
+from edgeq.tasks import TASKS, task
+from edgeq.verdicts import NothingJudged, Verdict, judge
 
 log = logging.getLogger(__name__)
 
@@ -1188,9 +1188,6 @@ def _task_verdict(output, reference, got, targets, x, budget: float | None = Non
     """What verification saw of the output's task metric on its labelled samples: both values, the
     change with n and its paired interval (edgeq.verdicts.Verdict); None where nothing scores it.
     With a budget (--max-drop), an output with a task metric that nothing scores is refused."""
-    from edgeq.tasks import task
-    from edgeq.verdicts import NothingJudged, judge
-
     gated = budget is not None and bool(task(output.kind).primary) and not output.kind.startswith("detection")
     try:
         return judge(output, reference, got, targets, x if not isinstance(x, dict) else None, budget).to_dict()
@@ -1263,8 +1260,6 @@ def _verify(
         elif not ok:
             failed.append(f"{o.name} {cmp.sqnr_db:.1f} dB < {thresholds[o.name]:.1f}")
     if max_drop is not None and not any(p["judged_by"] != "sqnr_db" for p in per_output):
-        from edgeq.verdicts import NothingJudged
-
         raise NothingJudged(
             f"--max-drop {max_drop:g}: no output of {source_name} has a task metric its held-out samples score "
             f"({', '.join(f'{o.name}: {o.kind}' for o in outputs)}); give labels ('y' or 'y_<output>'), declare "
