@@ -271,3 +271,82 @@ def mean_average_precision(
         evaluation.summarize()
     stats = evaluation.stats
     return {"map": max(float(stats[0]), 0.0), "map50": max(float(stats[1]), 0.0), "detections": len(results)}
+
+
+class ResampledMap50:
+    """mAP@0.5 of one model's detections on any bootstrap resample of the images, without re-matching.
+
+    pycocotools matches each image's detections to its ground truth once (IoU 0.5, all areas, 100
+    detections); a resample, given as how many times each image was drawn, then only reweights those
+    matches: each class's detections stay in pycocotools' score order, repeated as their image was
+    drawn, and precision is read at COCO's 101 recall points. On the images as given (each once) it is
+    pycocotools' own mAP@0.5.
+    """
+
+    def __init__(
+        self, detections: list[Detections], gt_boxes: np.ndarray, gt_classes: np.ndarray, size: tuple[int, int],
+        classes: int,
+    ) -> None:  # fmt: skip
+        import contextlib
+        import io
+
+        coco_class, coco_eval = _coco()
+        self.images = len(gt_boxes)
+        self.recall_points = np.linspace(0.0, 1.0, 101)
+        self.classes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per class: image, true positive, gts
+        truth = coco_class()
+        truth.dataset = coco_ground_truth(gt_boxes, gt_classes, size, classes)
+        results = coco_detections(detections, size)
+        with contextlib.redirect_stdout(io.StringIO()):
+            truth.createIndex()
+            found = truth.loadRes(results) if results else None
+            if found is None:
+                evaluated = None
+            else:
+                evaluated = coco_eval(truth, found, "bbox")
+                evaluated.params.iouThrs = np.array([0.5])
+                evaluated.params.areaRng, evaluated.params.areaRngLbl = [[0, 1e10]], ["all"]
+                evaluated.params.maxDets = [100]
+                evaluated.evaluate()
+        image_ids = sorted(truth.getImgIds())
+        position = {image: k for k, image in enumerate(image_ids)}
+        for c, category in enumerate(sorted(truth.getCatIds())):
+            gts = np.zeros(self.images, dtype=np.int64)
+            for a in truth.loadAnns(truth.getAnnIds(catIds=[category])):
+                gts[position[a["image_id"]]] += 1
+            scores, image, hit = [], [], []
+            if evaluated is not None:
+                for k in range(self.images):
+                    e = evaluated.evalImgs[c * self.images + k]
+                    if e is None or not len(e["dtScores"]):
+                        continue
+                    keep = ~np.asarray(e["dtIgnore"][0], dtype=bool)
+                    scores.append(np.asarray(e["dtScores"])[keep])
+                    hit.append(np.asarray(e["dtMatches"][0])[keep] > 0)
+                    image.append(np.full(int(keep.sum()), k))
+            if scores:
+                order = np.argsort(-np.concatenate(scores), kind="mergesort")  # pycocotools' order
+                self.classes.append((np.concatenate(image)[order], np.concatenate(hit)[order], gts))
+            else:
+                self.classes.append((np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), gts))
+
+    def __call__(self, drawn: np.ndarray | None = None) -> float:
+        """mAP@0.5 on the images at indices ``drawn`` (with repeats), all images once when None."""
+        counts = np.ones(self.images, dtype=np.int64) if drawn is None else np.bincount(drawn, minlength=self.images)
+        precisions = []
+        for image, hit, gts in self.classes:
+            positives = int(np.sum(counts * gts))
+            if positives == 0:
+                continue  # pycocotools leaves a class with no ground truth out of the mean
+            repeated = np.repeat(np.arange(len(image)), counts[image])
+            tp = np.cumsum(hit[repeated])
+            fp = np.cumsum(~hit[repeated])
+            if len(tp) == 0:
+                precisions.append(0.0)
+                continue
+            recall = tp / positives
+            precision = np.maximum.accumulate((tp / np.maximum(tp + fp, np.finfo(np.float64).eps))[::-1])[::-1]
+            at = np.searchsorted(recall, self.recall_points, side="left")
+            read = np.where(at < len(precision), precision[np.minimum(at, len(precision) - 1)], 0.0)
+            precisions.append(float(np.mean(read)))
+        return float(np.mean(precisions)) if precisions else float("nan")

@@ -16,8 +16,8 @@ import numpy as np
 
 from edgeq.errors import DataError, ModelLoadError, QualityGateError
 from edgeq.metrics import metric
-from edgeq.tasks import OutputSpec, compare, drop, score, task
-from edgeq.verdicts import NothingJudged, judge
+from edgeq.tasks import OutputSpec, compare, score, task, worse_by
+from edgeq.verdicts import NothingJudged, Verdict, judge, verdict_of
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,12 @@ class EvalResult:
     reference: str
     data: str
     samples: int
-    # the first output with a primary metric (the only one of a classifier): its accuracy, or None
-    accuracy: float | None
-    reference_accuracy: float | None
-    drop_pp: float | None  # reference - model in the task's unit (points of accuracy/AUC, % of RMSE)
+    # the first output with a primary metric (the only one of a classifier; a detector's mAP@0.5):
+    # its value for both models (``metric`` names it, ``unit`` is its unit) and how much worse the
+    # model is, in ``change_unit`` (negative: better); None where nothing scores it
+    value: float | None
+    reference_value: float | None
+    worse_by: float | None
     agreement: float | None
     mae: float
     mse: float
@@ -40,14 +42,16 @@ class EvalResult:
     reference_size_bytes: int  # the FP32 TFLite size (converted in memory for a Keras reference)
     size_ratio: float
     model_dtype: str
-    max_drop_pp: float | None = None
+    budget: float | None = None  # --max-drop, in each judged output's change unit
     passed: bool = True
-    outputs: tuple[dict, ...] = ()  # each output: name, task, metrics of both models, drop, comparison
+    outputs: tuple[dict, ...] = ()  # each output: name, task, metrics of both models, worse_by, comparison
     labelled: bool = True
     detection: dict | None = None  # a detector's mAP@0.5 and mAP@0.5:0.95, both models (pycocotools)
     # each judged output: metric, unit, both values, worse_by with n and its paired 95% interval, pass/fail
     verdicts: tuple[dict, ...] = ()
-    metric: str | None = None  # what accuracy, reference_accuracy and drop_pp measure (edgeq.metrics.METRICS)
+    metric: str | None = None  # what value, reference_value and worse_by measure (edgeq.metrics.METRICS)
+    unit: str | None = None  # of value: "%" for a share (stored as a fraction), "" for the target's units
+    change_unit: str | None = None  # of worse_by: "pp", "%" (of an error), "points"
 
     def to_dict(self) -> dict:
         return {"kind": "edgeq.eval", **_json_safe(asdict(self))}
@@ -157,7 +161,7 @@ def evaluate(
     for spec in specs:
         row = _score_output(spec, ref[spec.name], got[spec.name], dataset, split, x, len(specs))
         rows.append(row)
-        if primary is None and row["drop"] is not None:
+        if primary is None and row["worse_by"] is not None:
             primary = row
         verdict = _verdict(spec, ref[spec.name], got[spec.name], dataset, split, x, len(specs), max_drop_pp)
         if verdict is not None:
@@ -171,10 +175,10 @@ def evaluate(
             "score per class (or a declared task), so it has no accuracy; compare it by output error (SQNR, MAE) "
             "without labels, or declare what it is with --task"
         )
-    detection = _detection(specs, ref, got, dataset, split, model)
+    detection = _detection(specs, ref, got, dataset, split, model, max_drop_pp)
     if detection is not None:  # a detector is judged by its mAP@0.5, both heads together
         primary = {
-            "drop": detection["drop"],
+            "worse_by": detection["worse_by"],
             "primary": "map50",
             "metrics": {"map50": detection["map50"]},
             "reference_metrics": {"map50": detection["reference_map50"]},
@@ -193,9 +197,9 @@ def evaluate(
         reference=str(reference),
         data=f"{data} ({split})",
         samples=_count(x),
-        accuracy=_metric(primary, "metrics"),
-        reference_accuracy=_metric(primary, "reference_metrics"),
-        drop_pp=primary["drop"] if primary else None,
+        value=_metric(primary, "metrics"),
+        reference_value=_metric(primary, "reference_metrics"),
+        worse_by=primary["worse_by"] if primary else None,
         agreement=agreements[0] if agreements else None,
         mae=first["mae"],
         mse=first["mse"],
@@ -206,15 +210,17 @@ def evaluate(
         reference_size_bytes=ref_size,
         size_ratio=size / ref_size if ref_size else float("nan"),
         model_dtype=quantized.input.dtype,
-        max_drop_pp=max_drop_pp,
+        budget=max_drop_pp,
         # every judged output within the budget (and a detector's mAP); nothing judged was refused above
         passed=max_drop_pp is None
-        or (all(v.passed for v in verdicts) and (detection is None or detection["drop"] <= max_drop_pp)),
+        or (all(v.passed for v in verdicts) and (detection is None or detection["verdict"]["passed"])),
         outputs=tuple(rows),
         labelled=dataset.labelled,
         detection=detection,
-        verdicts=tuple(v.to_dict() for v in verdicts),
+        verdicts=tuple(v.to_dict() for v in verdicts) + ((detection["verdict"],) if detection else ()),
         metric=primary["primary"] if primary else None,
+        unit=metric(primary["primary"]).unit if primary else None,
+        change_unit=metric(primary["primary"]).change if primary else None,
     )
 
 
@@ -235,10 +241,11 @@ def _verdict(spec: OutputSpec, ref, got, dataset, split: str, x, outputs: int, b
         raise NothingJudged(f"--max-drop {budget:g}: {exc}") from None
 
 
-def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path) -> dict | None:
-    """mAP@0.5 and mAP@0.5:0.95 of both models' decoded detections (pycocotools), and the drop in
-    points of mAP@0.5; None when the model is no detector or the data has no boxes."""
-    from edgeq.detection import DetectionSpec, decode, detection_spec_of, mean_average_precision
+def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path, budget: float | None) -> dict | None:
+    """mAP@0.5 and mAP@0.5:0.95 of both models' decoded detections (pycocotools), and the verdict on
+    mAP@0.5 (points worse, n images, paired bootstrap interval over images); None when the model is no
+    detector or the data has no boxes."""
+    from edgeq.detection import DetectionSpec, ResampledMap50, decode, detection_spec_of, mean_average_precision
     from edgeq.runtime.inputs import detection_beside
 
     spec = detection_spec_of(specs)
@@ -251,11 +258,17 @@ def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path) ->
     if truth[0] is None or truth[1] is None:
         return None
     size = tuple(dataset.input_shape[:2])
-    theirs = mean_average_precision(decode(spec, ref), *truth, size, spec.classes)
-    ours = mean_average_precision(decode(spec, got), *truth, size, spec.classes)
+    decoded = decode(spec, ref), decode(spec, got)
+    theirs = mean_average_precision(decoded[0], *truth, size, spec.classes)
+    ours = mean_average_precision(decoded[1], *truth, size, spec.classes)
+    on_reference, on_model = (ResampledMap50(d, *truth, size, spec.classes) for d in decoded)
+    images = int(len(truth[0]))
+    verdict = verdict_of(
+        "detection", "map50", on_reference, on_model, images, budget, values=(theirs["map50"], ours["map50"])
+    )
     return {
         **spec.to_dict(),
-        "images": int(len(truth[0])),
+        "images": images,
         "objects": int((np.asarray(truth[1]) >= 0).sum()),
         "map50": ours["map50"],
         "map": ours["map"],
@@ -263,7 +276,8 @@ def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path) ->
         "reference_map": theirs["map"],
         "detections": ours["detections"],
         "reference_detections": theirs["detections"],
-        "drop": round((theirs["map50"] - ours["map50"]) * 100.0, 4),
+        "worse_by": verdict.worse_by,
+        "verdict": verdict.to_dict(),
     }
 
 
@@ -296,10 +310,10 @@ def _score_output(spec: OutputSpec, ref: np.ndarray, got: np.ndarray, dataset, s
         "name": spec.name,
         "task": spec.kind,
         "primary": task(spec.kind).primary or None,
-        "unit": task(spec.kind).metric.change if task(spec.kind).metric else None,
+        "change_unit": task(spec.kind).metric.change if task(spec.kind).metric else None,
         "metrics": metrics,
         "reference_metrics": reference_metrics,
-        "drop": drop(spec, reference_metrics, metrics),
+        "worse_by": worse_by(spec, reference_metrics, metrics),
         "comparison": {
             "agreement": cmp.agreement if math.isfinite(cmp.agreement) else None,
             "mae": cmp.mae,
@@ -325,18 +339,5 @@ def check_gate(result: EvalResult) -> None:
     """Raise QualityGateError naming every output over the budget, with its n and interval."""
     if result.passed:
         return
-    over = [v for v in result.verdicts if v["passed"] is False]
-    lines = [_verdict_line(v) for v in over]
-    if result.detection is not None and result.detection["drop"] > result.max_drop_pp:
-        d = result.detection
-        lines.append(
-            f"mAP@0.5 {d['reference_map50']:.3f} -> {d['map50']:.3f}, {metric('map50').show_change(d['drop'])} "
-            f"(n={d['images']} images, no interval: mAP is not resampled); budget {result.max_drop_pp:g} points: FAIL"
-        )
-    raise QualityGateError(f"{result.model}: over --max-drop {result.max_drop_pp:g}: " + "; ".join(lines))
-
-
-def _verdict_line(record: dict) -> str:
-    from edgeq.verdicts import Verdict
-
-    return Verdict.from_dict(record).line()
+    lines = [Verdict.from_dict(v).line() for v in result.verdicts if v["passed"] is False]
+    raise QualityGateError(f"{result.model}: over --max-drop {result.budget:g}: " + "; ".join(lines))

@@ -119,12 +119,31 @@ def weight_error(kernel: np.ndarray, scale: np.ndarray, q: np.ndarray) -> float:
 
 
 def sqnr_db(reference: np.ndarray, approx: np.ndarray) -> float:
+    """edgeq's one SQNR: 10 log10(sum reference^2 / sum (reference - approx)^2) in dB; inf when
+    nothing was lost, -inf when the reference is all zeros and the approximation is not."""
+    return float(_sqnr(np.asarray(reference, dtype=np.float64), np.asarray(approx, dtype=np.float64), None))
+
+
+def channel_sqnr_db(reference: np.ndarray, approx: np.ndarray) -> np.ndarray:
+    """``sqnr_db`` of each channel (the last axis) that carries a signal; a tensor with one value per
+    channel (a Dense or pooled output of one sample) is one channel, the whole vector."""
     ref = np.asarray(reference, dtype=np.float64)
-    noise = float(np.sum((ref - np.asarray(approx, dtype=np.float64)) ** 2))
-    signal = float(np.sum(ref**2))
-    if noise == 0:
-        return float("inf")
-    return 10.0 * np.log10(signal / noise) if signal > 0 else float("-inf")
+    got = np.asarray(approx, dtype=np.float64).reshape(ref.shape)
+    if ref.ndim < 2 or np.prod(ref.shape[:-1]) < 2:
+        return np.array([_sqnr(ref, got, None)])
+    ref, got = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, ref.shape[-1])
+    live = np.any(ref != 0, axis=0)  # a channel that is all zeros carries nothing to lose
+    if not np.any(live):
+        return np.array([_sqnr(ref, got, None)])
+    return _sqnr(ref[:, live], got[:, live], 0)
+
+
+def _sqnr(ref: np.ndarray, got: np.ndarray, axis: int | None):
+    signal, noise = np.sum(ref**2, axis=axis), np.sum((ref - got) ** 2, axis=axis)
+    with np.errstate(divide="ignore"):
+        return np.where(
+            noise == 0, np.inf, np.where(signal > 0, 10.0 * np.log10(signal / np.where(noise == 0, 1, noise)), -np.inf)
+        )
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:

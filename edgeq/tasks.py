@@ -364,7 +364,7 @@ def score(spec: OutputSpec, outputs: np.ndarray, targets: np.ndarray | None, inp
     }
 
 
-def drop(spec: OutputSpec, reference: dict, quantized: dict) -> float | None:
+def worse_by(spec: OutputSpec, reference: dict, quantized: dict) -> float | None:
     """How much worse the primary metric got, in its change unit (points of accuracy or AUC, percent
     of an error such as RMSE); None when the task has no primary metric or it was not measured."""
     row = task(spec.kind).metric

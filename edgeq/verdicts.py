@@ -164,13 +164,31 @@ def judge(
             f"quantized {got_value}; an AUC needs both classes): give a split that holds both"
         )
     reference_, quantized_ = np.asarray(reference), np.asarray(quantized)
+    return verdict_of(
+        spec.name, name, lambda idx: value(reference_, idx), lambda idx: value(quantized_, idx), n, budget, seed,
+        (ref_value, got_value),
+    )  # fmt: skip
+
+
+def verdict_of(
+    output: str, name: str, reference_on, quantized_on, n: int, budget: float | None = None, seed: int = 0,
+    values: tuple[float, float] | None = None,
+) -> Verdict:  # fmt: skip
+    """The Verdict of two models on metric ``name`` over n paired samples (images, rows), where
+    ``reference_on(idx)`` and ``quantized_on(idx)`` score each model on the samples at ``idx`` (with
+    repeats), and on all of them once when ``idx`` is None (``values``, when already scored)."""
+    row = metric(name)
+    ref_value, got_value = values if values is not None else (float(reference_on(None)), float(quantized_on(None)))
+    worse = row.worse_by(ref_value, got_value)
+    if worse is None:
+        raise NothingJudged(f"output {output!r}: its {row.label} is undefined on these {n} samples")
 
     def change(idx):
-        got = row.worse_by(value(reference_, idx), value(quantized_, idx))
+        got = row.worse_by(reference_on(idx), quantized_on(idx))
         return float("nan") if got is None else got
 
     interval, undefined = paired_interval(change, n, seed=seed)
     return Verdict(
-        spec.name, name, row.unit, ref_value, got_value, worse, row.change, n, interval, undefined, budget,
+        output, name, row.unit, ref_value, got_value, worse, row.change, n, interval, undefined, budget,
         None if budget is None else bool(worse <= budget),
     )  # fmt: skip

@@ -67,7 +67,7 @@ def test_the_api_runs_a_stage_like_the_cli(digits_run, tmp_path):
     result = edgeq.convert(digits_run.qat_model, tmp_path / "m.tflite", mode="int8-only")
     assert result.path.is_file() and result.verification.passed
     evaluated = edgeq.evaluate(result.path, digits_run.fp32_model, "digits", max_drop_pp=2.0)
-    assert evaluated.drop_pp <= 2.0
+    assert evaluated.worse_by <= 2.0
     profiled = edgeq.profile(result.path, runs=3)
     assert profiled.model.runs[0].latency.median_ms > 0
     with pytest.raises(edgeq.errors.UsageError, match="unknown option"):

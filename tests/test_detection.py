@@ -167,16 +167,20 @@ def test_the_zoo_detector_trains_converts_integer_only_and_is_judged_by_map(cli,
     assert result.exit_code == 0, result.output
     found = json.loads((tmp_path / "e.json").read_text())["detection"]
     assert found["images"] == 60 and found["objects"] > 60 and 0 <= found["map"] <= found["map50"] <= 1
-    assert found["drop"] == pytest.approx((found["reference_map50"] - found["map50"]) * 100, abs=1e-3)
-    assert "detection mAP@0.5" in result.stdout
-    # a budget the model cannot meet fails in mAP points, naming them
+    assert found["worse_by"] == pytest.approx((found["reference_map50"] - found["map50"]) * 100, abs=1e-3)
+    verdict = found["verdict"]  # mAP@0.5 resampled over images: the interval is of the paired change
+    assert (verdict["metric"], verdict["change_unit"], verdict["n"]) == ("map50", "points", 60)
+    low, high = verdict["interval95"]
+    assert low <= verdict["worse_by"] <= high and high > low
+    assert "detection mAP@0.5" in result.stdout and "detection: mAP@0.5" in result.stdout and "95% CI" in result.stdout
+    # a budget the model cannot meet fails in mAP points, with n and the interval
     gated = cli("eval", folder / "det_int8.tflite", "--reference", folder / "run" / "fp32.keras", "--data", data,
                 "--max-drop", "-101")  # fmt: skip
     assert gated.exit_code == 4 and "mAP@0.5 " in gated.stderr and "points: FAIL" in gated.stderr, gated.stderr
-    assert "n=60 images" in gated.stderr
+    assert "n=60" in gated.stderr and "95% CI" in gated.stderr
     page = tmp_path / "r.html"
     assert cli("report", tmp_path / "e.json", folder / "det_int8.tflite", "--out", page).exit_code == 0
-    assert "detection mAP@0.5" in page.read_text() and "detection (centre)" in page.read_text()
+    assert "detection: mAP@0.5" in page.read_text() and "detection (centre)" in page.read_text()
 
 
 def test_edgetpu_conversion_of_the_detector_maps_every_op(cli, detector, tmp_path):
@@ -216,3 +220,34 @@ def _nms(heads):
     boxes, scores = heads
     kept = tf.image.non_max_suppression(boxes[0], scores[0], 5)
     return tf.gather(scores[0], kept)[None]
+
+
+def test_resampled_map50_is_pycocotools_map50_on_the_images_as_given():
+    """The bootstrap reweights pycocotools' own matches: on every image once it is pycocotools' mAP@0.5,
+    and an image drawn twice counts twice (its objects and detections both)."""
+    from edgeq.detection import Detections, ResampledMap50, mean_average_precision
+
+    rng = np.random.default_rng(4)
+    gt_boxes = np.full((30, 3, 4), 0.0, np.float32)
+    gt_classes = np.full((30, 3), -1, np.int64)
+    found = []
+    for i in range(30):
+        k = rng.integers(1, 4)
+        tops = rng.uniform(0, 0.6, (k, 2))
+        gt_boxes[i, :k] = np.concatenate([tops, tops + rng.uniform(0.2, 0.4, (k, 2))], axis=1)
+        gt_classes[i, :k] = rng.integers(0, 2, k)
+        jitter = gt_boxes[i, :k] + rng.normal(0, 0.03, (k, 4))
+        extra = rng.uniform(0, 1, (2, 4))
+        found.append(Detections(np.concatenate([jitter, np.sort(extra, axis=1)]).astype(np.float32),
+                                rng.uniform(0.1, 1.0, k + 2), np.concatenate([gt_classes[i, :k], [0, 1]])))  # fmt: skip
+    resampled = ResampledMap50(found, gt_boxes, gt_classes, (64, 64), 2)
+    assert resampled() == pytest.approx(
+        mean_average_precision(found, gt_boxes, gt_classes, (64, 64), 2)["map50"], abs=1e-9
+    )
+    twice = np.concatenate([np.arange(30), np.arange(30)])
+    assert resampled(twice) == pytest.approx(resampled(), abs=0.02)  # the same images twice: the same curve
+    drawn = rng.integers(0, 30, 30)
+    doubled = [found[i] for i in drawn]
+    assert resampled(drawn) == pytest.approx(
+        mean_average_precision(doubled, gt_boxes[drawn], gt_classes[drawn], (64, 64), 2)["map50"], abs=1e-9
+    )

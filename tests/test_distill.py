@@ -37,14 +37,14 @@ def test_qat_learns_the_fp32_models_outputs_when_the_data_has_no_labels(digits_r
     assert list(run["distillation"]["losses"].values()) == ["KLDivergence"]  # a softmax head
     assert [s["kind"] for s in run["results"]] == ["qat"]  # no labels: no FP32 epochs
     assert run["results"][0]["metric"] == "agreement"
-    assert run["results"][0]["val_accuracy"] > 0.9
+    assert run["results"][0]["val_value"] > 0.9
 
     # The QAT int8 model, judged against the true labels the training never saw.
     from edgeq.runtime.interpreter import TFLiteModel
 
     got = TFLiteModel(out / "qat_int8.tflite").predict_outputs(digits.x_test)
     accuracy = float(np.mean(np.argmax(next(iter(got.values())), axis=1) == digits.y_test))
-    fp32 = digits_run.stages[0].test_accuracy
+    fp32 = digits_run.stages[0].test_value
     assert accuracy > fp32 - 0.03, (accuracy, fp32)
     comparison = run["int8_comparison"]
     assert comparison["metric"] == "accuracy" and comparison["qat"]["value"] > 0.9  # agreement with FP32's classes
@@ -111,7 +111,7 @@ def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run, tmp_pa
         path = out / comparison[key]["path"]
         assert path.is_file()
         judged = evaluate(path, out / "fp32.keras", "digits", split="val")
-        assert comparison[key]["value"] == pytest.approx(judged.accuracy, abs=1e-9)
+        assert comparison[key]["value"] == pytest.approx(judged.value, abs=1e-9)
     low, high = comparison["interval95"]
     gain = comparison["qat_gain"]  # points of accuracy QAT is better by
     assert gain == pytest.approx((comparison["qat"]["value"] - comparison["ptq"]["value"]) * 100, abs=1e-3)

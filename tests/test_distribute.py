@@ -96,14 +96,14 @@ def _check_against_one_worker(run_dir, one_worker, replicas: int, workers: int):
     assert one["distribution"]["replicas"] == 1
     qat, qat_one = record["results"][-1], one["results"][-1]
     assert qat["kind"] == "qat"
-    assert abs(qat["test_accuracy"] - qat_one["test_accuracy"]) * 100 <= 0.5
+    assert abs(qat["test_value"] - qat_one["test_value"]) * 100 <= 0.5
     if not (one_worker / "int8.tflite").exists():
         _int8(one_worker)
     same = _same_model(run_dir, one_worker)
     assert same.agreement >= 0.99, same
-    assert abs(same.accuracy - same.reference_accuracy) * 100 <= 0.5
-    fp32 = record["results"][0]["test_accuracy"]
-    assert fp32 - same.accuracy <= 0.005, (fp32, same.accuracy)  # int8-only within 0.5 pp of FP32
+    assert abs(same.value - same.reference_value) * 100 <= 0.5
+    fp32 = record["results"][0]["test_value"]
+    assert fp32 - same.value <= 0.005, (fp32, same.value)  # int8-only within 0.5 pp of FP32
     assert record["quantization"]["final_ranges"]["equal_across_local_replicas"] is True
     return record
 

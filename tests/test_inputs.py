@@ -114,11 +114,11 @@ def test_eval_and_profile_give_the_same_numbers_for_raw_and_float_files(cli, dig
 
     raw = evaluate(digits_int8.path, digits_run.fp32_model, f"npz:{digits_files['raw']}")
     flt = evaluate(digits_int8.path, digits_run.fp32_model, f"npz:{digits_files['float']}")
-    assert (raw.accuracy, raw.sqnr_db, raw.agreement) == (flt.accuracy, flt.sqnr_db, flt.agreement)
-    assert raw.accuracy > 0.9
+    assert (raw.value, raw.sqnr_db, raw.agreement) == (flt.value, flt.sqnr_db, flt.agreement)
+    assert raw.value > 0.9
     p_raw = profile_model(digits_int8.path, runs=1, warmup=0, data=digits_files["raw"])
     p_flt = profile_model(digits_int8.path, runs=1, warmup=0, data=digits_files["float"])
-    assert p_raw.model.accuracy.accuracy == p_flt.model.accuracy.accuracy > 0.9
+    assert p_raw.model.scores.value == p_flt.model.scores.value > 0.9
 
 
 @pytest.mark.parametrize("command", ["eval", "profile", "verify-inputs"])

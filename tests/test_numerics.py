@@ -6,7 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from edgeq.numerics import QuantSpec, compute_params, dequantize, fake_quantize, pack_int4, quantize, unpack_int4
+from edgeq.numerics import (
+    QuantSpec,
+    compute_params,
+    dequantize,
+    fake_quantize,
+    pack_int4,
+    quantize,
+    sqnr_db,
+    unpack_int4,
+)
 
 finite = st.floats(-100, 100, allow_nan=False, allow_infinity=False, width=32)
 tensors = arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 6)), elements=finite)
@@ -111,12 +120,24 @@ def test_sensitivity_reports_the_mean_channel_sqnr_and_the_worst_channel():
     f = rng.normal(0, 1, size=(256, 4))
     noise = np.array([0.001, 0.01, 0.1, 1.0])  # per-channel SQNR about 60, 40, 20 and 0 dB
     q = f + rng.normal(0, 1, size=f.shape) * noise
-    per_channel = [
-        10 * np.log10(np.sum((f[:, c] - f[:, c].mean()) ** 2) / np.sum((f[:, c] - q[:, c]) ** 2)) for c in range(4)
-    ]
+    per_channel = [sqnr_db(f[:, c], q[:, c]) for c in range(4)]  # the SQNR convert and eval print
     assert _mean_channel_sqnr(f, q, 1.0, 0.0) == pytest.approx(np.mean(per_channel))
     assert _channel_sqnr(f, q, 1.0, 0.0) == pytest.approx(np.median(per_channel))  # the ranking, documented so
     assert _worst_channel_sqnr(f, q, 1.0, 0.0) == pytest.approx(min(per_channel)) and min(per_channel) < 2.0
+
+
+def test_one_sqnr_for_a_tensor_whatever_measures_it():
+    """analyze's per-channel SQNR of a one-channel tensor is convert's and eval's SQNR of it: one
+    definition (signal energy over noise energy), an offset counts as signal, nothing is capped."""
+    from edgeq.quantize.calibration import _channel_sqnr
+
+    rng = np.random.default_rng(1)
+    f = 5.0 + rng.normal(0, 1, size=(512, 1))  # a channel with an offset
+    q = f + rng.normal(0, 0.05, size=f.shape)
+    assert _channel_sqnr(f, q, 1.0, 0.0) == pytest.approx(sqnr_db(f, q))
+    assert _channel_sqnr(f, f, 1.0, 0.0) == sqnr_db(f, f) == float("inf")  # lossless: not 100 dB
+    dead = np.concatenate([f, np.zeros_like(f)], axis=1)  # an all-zero channel carries nothing to lose
+    assert _channel_sqnr(dead, np.concatenate([q, np.zeros_like(q)], axis=1), 1.0, 0.0) == pytest.approx(sqnr_db(f, q))
 
 
 def test_bias_correction_leaves_the_layers_a_plan_keeps_float():

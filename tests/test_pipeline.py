@@ -13,13 +13,13 @@ from edgeq.runtime.interpreter import TFLiteModel
 def test_fp32_model_reaches_97_percent(digits_run):
     fp32 = digits_run.stages[0]
     assert fp32.kind == "fp32"
-    assert fp32.test_accuracy >= 0.97
+    assert fp32.test_value >= 0.97
 
 
 def test_int8_only_tflite_is_within_half_a_point_of_fp32_and_under_30_percent_size(digits_run, digits_int8):
     result = evaluate(digits_int8.path, digits_run.fp32_model, "digits")
-    assert result.reference_accuracy >= 0.97
-    assert result.drop_pp <= 0.5
+    assert result.reference_value >= 0.97
+    assert result.worse_by <= 0.5
     assert result.size_ratio <= 0.30
     assert result.model_dtype == "int8"
 
@@ -89,9 +89,9 @@ def test_eval_cli_table_json_and_max_drop_gate(cli, digits_run, digits_int8, tmp
     assert "top-1 agreement" in ok.stdout and "SQNR" in ok.stdout
     data = json.loads(out.read_text())
     for key in (
-        "accuracy",
-        "reference_accuracy",
-        "drop_pp",
+        "value",
+        "reference_value",
+        "worse_by",
         "agreement",
         "mae",
         "mse",

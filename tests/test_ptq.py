@@ -391,7 +391,7 @@ def test_analyze_calibration_takes_edgeqs_range_methods(digits_run):
         warnings.simplefilter("error", RuntimeWarning)
         mse.debugger.run()
     stats = mse.debugger.layer_statistics
-    assert stats and all(np.isfinite([v["rmse_over_scale"], v["channel_sqnr_db"]]).all() for v in stats.values())
+    assert stats and not any(np.isnan([v["rmse_over_scale"], v["channel_sqnr_db"]]).any() for v in stats.values())
 
 
 def test_plan_records_its_ranges_and_convert_plan_uses_them(cli, digits_run, tmp_path):

@@ -110,17 +110,17 @@ def test_demo_report_in_headless_chromium_shows_the_json_numbers(cli, demo, tmp_
     profile = json.loads((demo / "profile.json").read_text())
     cells = {(row, field): text for row, field, text in seen["cells"]}
     q = "digits_int8.tflite"
-    assert ev["metric"] == "accuracy" and cells[(q, "accuracy")] == f"accuracy {ev['accuracy']:.2%}"
-    assert cells[(q, "drop_pp")] == metric("accuracy").show_change(ev["drop_pp"])
+    assert ev["metric"] == "accuracy" and cells[(q, "value")] == f"accuracy {ev['value']:.2%}"
+    assert cells[(q, "worse_by")] == metric("accuracy").show_change(ev["worse_by"])
     assert cells[(q, "agreement")] == f"{ev['agreement']:.2%}"
     assert cells[(q, "sqnr_db")] == f"{ev['sqnr_db']:.1f}"
     assert cells[(q, "size")] == f"{ev['size_bytes'] / 1024:.1f} KiB"
     assert cells[(q, "median_ms")] == f"{profile['model']['runs'][0]['latency']['median_ms']:.3f}"
     assert cells[(q, "rss_mb")] == f"{profile['model']['runs'][0]['memory']['peak_rss_run_mb']:.1f}"
-    assert cells[("fp32.keras (FP32 reference)", "accuracy")] == f"accuracy {ev['reference_accuracy']:.2%}"
+    assert cells[("fp32.keras (FP32 reference)", "value")] == f"accuracy {ev['reference_value']:.2%}"
     for stage in run["results"]:
-        assert cells[(stage["name"], "test_accuracy")] == f"accuracy {stage['test_accuracy']:.2%}"
-        assert cells[(stage["name"], "val_accuracy")] == f"accuracy {stage['val_accuracy']:.2%}"
+        assert cells[(stage["name"], "test_value")] == f"accuracy {stage['test_value']:.2%}"
+        assert cells[(stage["name"], "val_value")] == f"accuracy {stage['val_value']:.2%}"
     assert _pixel_std(shot) > 20  # a page with text, tables and plots, not a blank one
 
     # the same page on a phone: nothing wider than the screen but the scrolling tables

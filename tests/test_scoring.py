@@ -52,14 +52,14 @@ def test_a_sigmoid_classifier_that_answers_the_opposite_fails_max_drop(cli, tmp_
     )  # fmt: skip
     assert result.exit_code == 4, result.output
     report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["reference_accuracy"] == 1.0 and report["accuracy"] == 0.0, report
+    assert report["reference_value"] == 1.0 and report["value"] == 0.0, report
     assert report["agreement"] == 0.0
     same = cli("eval", tmp_path / "good_fp32.tflite", "--reference", tmp_path / "good.keras", "--data", f"npz:{data}")
     assert same.exit_code == 0, same.output
     # profile (device side, no TensorFlow) scores the same output the same way
     profiled = cli("profile", opposite, "--data", data, "--runs", "2", "--json", tmp_path / "p.json")
     assert profiled.exit_code == 0, profiled.output
-    assert json.loads((tmp_path / "p.json").read_text())["model"]["accuracy"]["accuracy"] == 0.0
+    assert json.loads((tmp_path / "p.json").read_text())["model"]["scores"]["value"] == 0.0
 
 
 def test_a_head_of_shape_1x1xk_is_scored_per_sample_and_an_image_output_is_refused(cli, tmp_path):
@@ -87,7 +87,7 @@ def test_a_head_of_shape_1x1xk_is_scored_per_sample_and_an_image_output_is_refus
     at = [{row.tobytes(): i for i, row in enumerate(x)}[row.tobytes()] for row in test.x_test]
     expected = float(np.mean(scores.reshape(300, 3).argmax(1)[at] == test.y_test))
     assert 0.8 < expected < 1.0
-    assert result.reference_accuracy == result.accuracy == expected
+    assert result.reference_value == result.value == expected
 
     image = keras.Model(inputs, keras.layers.Conv2D(2, 1, name="mask")(inputs))
     image.save(tmp_path / "mask.keras")

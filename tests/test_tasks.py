@@ -179,7 +179,7 @@ def test_eval_profile_and_report_judge_each_output_by_its_task(cli, face, tmp_pa
     )  # fmt: skip
     assert profiled.exit_code == 0, profiled.output
     device = json.loads((tmp_path / "profile.json").read_text())
-    measured = {o["name"]: o for o in device["model"]["accuracy"]["outputs"]}
+    measured = {o["name"]: o for o in device["model"]["scores"]["outputs"]}
     assert measured["face_prob"]["metrics"]["accuracy"] == pytest.approx(
         rows["face_prob"]["metrics"]["accuracy"], abs=0.05
     )

@@ -39,7 +39,7 @@ def _per_channel_levels(kernel, lo, hi, bits):
 
 def test_4bit_weights_qat_is_within_2_points_of_fp32_on_keras_and_tflite(digits_run, w4_run, tmp_path):
     d = load_dataset("digits")
-    fp32_acc = digits_run.stages[0].test_accuracy
+    fp32_acc = digits_run.stages[0].test_value
     qat = load_keras_model(w4_run.qat_model)
     keras_acc = float(np.mean(qat.predict(d.x_test, verbose=0).argmax(1) == d.y_test))
     assert keras_acc >= fp32_acc - 0.02
@@ -92,7 +92,7 @@ def test_stepped_schedule_runs_and_reports_each_stage(cli, digits_run, tmp_path)
     stages = history["stages"]
     assert [(s["name"], s["weight_bits"]) for s in stages] == [("qat-w8a8", 8), ("qat-w4a8", 4)]
     for stage in stages:
-        assert len(stage["epochs"]) == 1 and stage["final"]["test_accuracy"] > 0.9
+        assert len(stage["epochs"]) == 1 and stage["final"]["test_value"] > 0.9
 
 
 def test_stepped_8bit_quantizes_layer_groups_from_the_input(digits_run, finetune, tmp_path):
@@ -111,7 +111,7 @@ def test_stepped_8bit_quantizes_layer_groups_from_the_input(digits_run, finetune
 
 def test_per_tensor_symmetric_qat_exports_one_scale_per_weight_and_zero_points_of_zero(digits_run, finetune, tmp_path):
     run = finetune(tmp_path / "pt", qat_epochs=2, granularity="per-tensor", activations="symmetric")
-    assert run.stages[-1].test_accuracy > 0.9
+    assert run.stages[-1].test_value > 0.9
     assert json.loads(run.run.read_text())["quantization"]["batchnorm_folded_before_qat"]
     tfl = convert(run.qat_model, tmp_path / "pt.tflite", ConvertOptions(mode="int8-only"))
     # Folding first keeps the per-tensor model faithful (the converter's own fold is not).
@@ -330,7 +330,7 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
         np.testing.assert_array_equal(wa, wb)
     run = json.loads((out / "run.json").read_text())
     assert run["resumed_from"][0] == 0 and run["resumed_from"][1] >= saved["epochs_done"]
-    assert run["results"][0]["test_accuracy"] >= 0.9  # it trained, across the interruption
+    assert run["results"][0]["test_value"] >= 0.9  # it trained, across the interruption
 
 
 def test_conv_followed_by_relu_layer_keeps_4bit_weight_quantization(tmp_path):
@@ -396,7 +396,7 @@ def test_16bit_activation_qat_converts_to_int16x8_through_its_fine_tuned_float_m
     assert tensors_by_dtype(read_tflite(result.path)).get("int16", 0) > 0
     d = load_dataset("digits")
     acc = float(np.mean(TFLiteModel(result.path).predict(d.x_test).argmax(1) == d.y_test))
-    assert acc >= run.stages[-1].test_accuracy - 0.01
+    assert acc >= run.stages[-1].test_value - 0.01
 
 
 def test_same_seed_gives_identical_weights_and_tflite(tmp_path):

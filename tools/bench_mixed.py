@@ -68,7 +68,7 @@ def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict
     run = profile_model(path, runs=100, warmup=10, progress=False).model.runs[0]
     return {
         "accuracy": round(100 * correct.mean(), 2),
-        "drop_pp": round(100 * (fp32_correct.mean() - correct.mean()), 2),
+        "worse_by": round(100 * (fp32_correct.mean() - correct.mean()), 2),
         "interval95": [round(-high, 2), round(-low, 2)],  # of the drop
         "size_kib": round(path.stat().st_size / 1024, 1),
         "latency_ms": run.latency.median_ms,
@@ -99,7 +99,7 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
     fp32 = _fp32(name, data, cache)
     row.setdefault("train_seconds", round(time.perf_counter() - start, 1))
     fp32_correct = (load_keras_model(fp32).predict(x, batch_size=128, verbose=0).argmax(-1) == y).astype(float)
-    row["fp32_accuracy"] = round(100 * fp32_correct.mean(), 2)
+    row["fp32_value"] = round(100 * fp32_correct.mean(), 2)
     loose = {"min_sqnr_db": -1000.0}  # measured here, not gated: a W4A8 model below the default threshold is a row
 
     def converted(key: str, source, **options) -> None:
@@ -144,7 +144,7 @@ def _mixed(name, fp32, data, folder, row, converted) -> None:
     row["plan"] = {
         "met": plan.met,
         "wide_layers": len(plan.best.wide_layers),
-        "val_drop_pp": plan.best.drop_pp,
+        "val_drop_pp": plan.best.worse_by,
         "measured": len(plan.frontier),
         "seconds": round(time.perf_counter() - start, 1),
     }
@@ -170,7 +170,7 @@ def _cell(r: dict) -> str:
     if "error" in r:
         return f"failed: {r['error'][:60]}"
     low, high = r["interval95"]
-    return f"{r['accuracy']:.2f}% ({-r['drop_pp']:+.2f}, {-high:+.2f}..{-low:+.2f})"
+    return f"{r['accuracy']:.2f}% ({-r['worse_by']:+.2f}, {-high:+.2f}..{-low:+.2f})"
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -183,7 +183,7 @@ def table(rows: list[dict]) -> list[str]:
         mixed = r["mixed"]
         share = f"{mixed['int16_ops']}/{mixed['ops']} ({100 * mixed['int16_share']:.0f}%)" if "ops" in mixed else "-"
         lines.append(
-            f"| {r['model']} | {r['fp32_accuracy']:.2f}% | {_cell(r['ptq'])} | {_cell(mixed)} | {share} | "
+            f"| {r['model']} | {r['fp32_value']:.2f}% | {_cell(r['ptq'])} | {_cell(mixed)} | {share} | "
             f"{_cell(r['qat'])} | {_cell(r['qat_distill'])} | {r['ptq'].get('size_kib', '-')} / "
             f"{mixed.get('size_kib', '-')} | {r['ptq'].get('latency_ms', '-')} / {mixed.get('latency_ms', '-')} |"
         )
@@ -198,10 +198,10 @@ def w4_table(rows: list[dict]) -> list[str]:
     for r in rows:
         near, ada = r["w4_nearest"], r["w4_adaround"]
         recovered = "-"
-        if "drop_pp" in near and "drop_pp" in ada and near["drop_pp"] > 0:
-            recovered = f"{100 * (near['drop_pp'] - ada['drop_pp']) / near['drop_pp']:.0f}%"
+        if "worse_by" in near and "worse_by" in ada and near["worse_by"] > 0:
+            recovered = f"{100 * (near['worse_by'] - ada['worse_by']) / near['worse_by']:.0f}%"
         lines.append(
-            f"| {r['model']} | {r['fp32_accuracy']:.2f}% | {_cell(near)} | {_cell(ada)} | {recovered} | "
+            f"| {r['model']} | {r['fp32_value']:.2f}% | {_cell(near)} | {_cell(ada)} | {recovered} | "
             f"{ada.get('size_kib', '-')} |"
         )
     return lines
@@ -213,18 +213,18 @@ def _findings(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
         mixed, near, ada = r.get("mixed", {}), r.get("w4_nearest", {}), r.get("w4_adaround", {})
-        qats = [r[k]["drop_pp"] for k in ("qat", "qat_distill") if "drop_pp" in r.get(k, {})]
+        qats = [r[k]["worse_by"] for k in ("qat", "qat_distill") if "worse_by" in r.get(k, {})]
         parts = []
-        if "drop_pp" in mixed:
-            ok = mixed["drop_pp"] <= 1.0 and mixed["int16_share"] <= 0.15
+        if "worse_by" in mixed:
+            ok = mixed["worse_by"] <= 1.0 and mixed["int16_share"] <= 0.15
             parts.append(
-                f"mixed {-mixed['drop_pp']:+.2f} pp vs FP32 with {100 * mixed['int16_share']:.0f}% of ops at 16-bit "
+                f"mixed {-mixed['worse_by']:+.2f} pp vs FP32 with {100 * mixed['int16_share']:.0f}% of ops at 16-bit "
                 f"({'met' if ok else 'not met'})"
             )
         if qats:
             parts.append(f"best QAT {-min(qats):+.2f} pp vs FP32 ({'met' if min(qats) <= 0.5 else 'not met'})")
-        if "drop_pp" in near and "drop_pp" in ada and near["drop_pp"] > 0:
-            share = (near["drop_pp"] - ada["drop_pp"]) / near["drop_pp"]
+        if "worse_by" in near and "worse_by" in ada and near["worse_by"] > 0:
+            share = (near["worse_by"] - ada["worse_by"]) / near["worse_by"]
             parts.append(
                 f"AdaRound recovers {100 * share:.0f}% of nearest's W4A8 loss ({'met' if share >= 0.5 else 'not met'})"
             )

@@ -22,7 +22,7 @@ class PrecisionRow:
     variant: str
     how: str
     accuracy: float
-    drop_pp: float
+    worse_by: float
     size_bytes: int
     size_ratio: float
 
@@ -63,16 +63,18 @@ def precision_table(
         out = workdir / f"{name.replace(' ', '_').lower()}.tflite"
         convert(source, out, ConvertOptions(mode=mode, calib=calib, min_sqnr_db=-100))
         ev = evaluate(out, base.fp32_model, record_data)
-        rows.append(PrecisionRow(name, how, ev.accuracy, ev.drop_pp, ev.size_bytes, ev.size_ratio))
+        rows.append(PrecisionRow(name, how, ev.value, ev.worse_by, ev.size_bytes, ev.size_ratio))
     fp32_size = rows[0].size_bytes
-    return [PrecisionRow(r.variant, r.how, r.accuracy, r.drop_pp, r.size_bytes, r.size_bytes / fp32_size) for r in rows]
+    return [
+        PrecisionRow(r.variant, r.how, r.accuracy, r.worse_by, r.size_bytes, r.size_bytes / fp32_size) for r in rows
+    ]
 
 
 def markdown(model: str, rows: list[PrecisionRow]) -> str:
     lines = [f"| {model} | accuracy | drop vs FP32 (pp) | size | vs FP32 TFLite | how |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r.variant} | {r.accuracy:.2%} | {r.drop_pp:+.2f} | {r.size_bytes / 1024:.1f} KiB | "
+            f"| {r.variant} | {r.accuracy:.2%} | {r.worse_by:+.2f} | {r.size_bytes / 1024:.1f} KiB | "
             f"{r.size_ratio:.1%} | {r.how} |"
         )
     return "\n".join(lines) + "\n"

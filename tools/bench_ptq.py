@@ -270,9 +270,9 @@ def harder_trained() -> dict:
                 continue
             ev = evaluate(out, run.fp32_model, data, split="test")
             result[name] = converted | {
-                "accuracy": ev.accuracy,
-                "fp32_accuracy": ev.reference_accuracy,
-                "drop_pp": ev.drop_pp,
+                "accuracy": ev.value,
+                "fp32_value": ev.reference_value,
+                "worse_by": ev.worse_by,
                 "test_sqnr_db": ev.sqnr_db,
                 "test_agreement": ev.agreement,
                 "chosen": (converted.get("ptq") or {}).get("chosen"),
@@ -332,7 +332,7 @@ def trained_architectures() -> list[dict]:
             for key in ("converter", "best", "adaround"):
                 if "sqnr_db" in row[key]:
                     ev = evaluate(tmp / f"{key}.tflite", path, data, split="test")
-                    row[key] |= {"accuracy": ev.accuracy, "fp32_accuracy": ev.reference_accuracy}
+                    row[key] |= {"accuracy": ev.value, "fp32_value": ev.reference_value}
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
     return rows
@@ -377,7 +377,7 @@ def _trained_table(rows: list[dict]) -> list[str]:
         if "sqnr_db" not in row["auto"] or row["auto"]["sqnr_db"] < 10.0:
             refused.append(row["model"])
         lines.append(
-            f"| {row['model']} | {conv.get('fp32_accuracy', float('nan')):.1%} | {cell(conv)} | "
+            f"| {row['model']} | {conv.get('fp32_value', float('nan')):.1%} | {cell(conv)} | "
             f"{cell(best)} ({(best.get('ptq') or {}).get('chosen', '?')}) | {row['rounded_by']} | "
             f"{_cell(nearest)} | {cell(ada)} | "
             + (f"{gain:+.1f} dB | " if gain is not None else "- | ")
@@ -481,8 +481,8 @@ def run() -> str:
                 lines.append(f"| {name} | failed: {r.get('error', '?')} | | | | | | |")
                 continue
             lines.append(
-                f"| {name} | {r['chosen'] or '-'} | {r['fp32_accuracy']:.2%} | {r['accuracy']:.2%} | "
-                f"{r['drop_pp']:.2f} | {r['test_sqnr_db']:.1f} dB | {r['test_agreement']:.1%} | {r['seconds']:.0f}s |"
+                f"| {name} | {r['chosen'] or '-'} | {r['fp32_value']:.2%} | {r['accuracy']:.2%} | "
+                f"{r['worse_by']:.2f} | {r['test_sqnr_db']:.1f} dB | {r['test_agreement']:.1%} | {r['seconds']:.0f}s |"
             )
     lines += [
         "",

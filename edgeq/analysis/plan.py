@@ -39,8 +39,8 @@ EXACT_LAYERS = 32
 @dataclass(frozen=True)
 class PlanPoint:
     float_layers: tuple[str, ...]
-    accuracy: float
-    drop_pp: float
+    value: float  # the task metric (PlanResult.metric) of the model with these layers moved
+    worse_by: float
     size_bytes: int  # with INT4 layers: the INT8 file minus half of their weight bytes (two per byte)
     int4_layers: tuple[str, ...] = ()
     wide_layers: tuple[str, ...] = ()  # at 16-bit activations (fallback int16)
@@ -55,9 +55,9 @@ class PlanPoint:
 class PlanResult:
     path: Path
     met: bool
-    max_drop_pp: float
-    fp32_accuracy: float
-    int8_accuracy: float
+    budget: float  # --max-drop, in the metric's change unit
+    fp32_value: float
+    int8_value: float
     best: PlanPoint
     frontier: tuple[PlanPoint, ...]
     ranking: tuple[str, ...]  # most sensitive first; empty when full INT8 met the budget (and no --int4)
@@ -65,7 +65,7 @@ class PlanResult:
     seconds: float
     fallback: str = "float"  # what a sensitive layer becomes: float | int16
     label_free: bool = False  # measured as agreement with FP32 (the data has no labels)
-    # what every "accuracy" above measures (the output's task metric: accuracy, RMSE, AUC...) and on how many
+    # what every value above measures (the output's task metric: accuracy, RMSE, AUC...) and on how many
     metric: str = "accuracy"
     samples: int = 0
     verdict: dict | None = None  # the chosen plan vs FP32: change, n, paired 95% interval (edgeq.tasks.Verdict)
@@ -84,16 +84,16 @@ def _greedy(ranking: list[str], measure, max_drop_pp: float, frontier: list[Plan
     """
     chosen: list[str] = []
     for layer in ranking:
-        if frontier[-1].drop_pp <= max_drop_pp:
+        if frontier[-1].worse_by <= max_drop_pp:
             break
         chosen.append(layer)
         frontier.append(measure(chosen))
-    if len(chosen) > 1 and frontier[-1].drop_pp <= max_drop_pp:
+    if len(chosen) > 1 and frontier[-1].worse_by <= max_drop_pp:
         for layer in reversed(chosen[:-1]):
             trial = [name for name in chosen if name != layer]
             point = measure(trial)
             frontier.append(point)
-            if point.drop_pp <= max_drop_pp:
+            if point.worse_by <= max_drop_pp:
                 chosen = trial
 
 
@@ -106,17 +106,17 @@ def _prefix_search(ranking: list[str], measure, max_drop_pp: float, frontier: li
         size = min(size, len(ranking))
         point = measure(ranking[:size])
         frontier.append(point)
-        if point.drop_pp <= max_drop_pp or size == len(ranking):
+        if point.worse_by <= max_drop_pp or size == len(ranking):
             break
         low, size = size, size * 2
-    if point.drop_pp > max_drop_pp:
+    if point.worse_by > max_drop_pp:
         return
     high = size
     while high - low > 1:
         middle = (low + high) // 2
         point = measure(ranking[:middle])
         frontier.append(point)
-        if point.drop_pp <= max_drop_pp:
+        if point.worse_by <= max_drop_pp:
             high = middle
         else:
             low = middle
@@ -132,7 +132,7 @@ def _fast_wide_ranking(model, dataset, samples: int, layers: list[str]) -> list[
     return ranked + [name for name in layers if name not in ranked]
 
 
-def _wide_ranking(model, mixed, x, quality, int8_accuracy: float, reference, progress=None) -> list[str]:
+def _wide_ranking(model, mixed, x, quality, int8_value: float, reference, progress=None) -> list[str]:
     """Layers by what 16-bit activations on that layer alone buy back, then by output error removed per
     activation value widened."""
     int8_out = predict(mixed.quantize(), x)
@@ -140,7 +140,7 @@ def _wide_ranking(model, mixed, x, quality, int8_accuracy: float, reference, pro
     rows = []
     for layer in mixed.layers:
         out = predict(mixed.quantize([layer]), x)
-        gain = quality.points(quality.value(out), int8_accuracy)
+        gain = quality.points(quality.value(out), int8_value)
         removed = int8_mse - float(np.mean((out - reference) ** 2))
         cost = max(1, int(np.prod([d for d in model.get_layer(layer).output.shape[1:] if d])))
         rows.append((layer, round(gain, 4), removed / cost))
@@ -208,27 +208,27 @@ def make_plan(
             return point
 
     frontier = [measure([])]
-    int8_acc = frontier[0].accuracy
+    int8_acc = frontier[0].value
     # The per-layer ranking costs two quantizations and two passes per layer (a trained
     # EfficientNetB0's plan took 7.5 minutes with it, 40 s without); it is only needed when
     # full INT8 misses the budget, or to order the layers that --int4 tries.
     ranked, ranking = [], []
     if fallback == "int16":
-        if frontier[0].drop_pp > max_drop_pp and len(cal.layers) <= EXACT_LAYERS:
+        if frontier[0].worse_by > max_drop_pp and len(cal.layers) <= EXACT_LAYERS:
             ranking = _wide_ranking(model, cal, x, quality, int8_acc, reference, progress)
-        elif frontier[0].drop_pp > max_drop_pp:
+        elif frontier[0].worse_by > max_drop_pp:
             ranking = _fast_wide_ranking(model, dataset, samples, cal.layers)
             _prefix_search(ranking, measure, max_drop_pp, frontier)
-    elif frontier[0].drop_pp > max_drop_pp or int4:
+    elif frontier[0].worse_by > max_drop_pp or int4:
         _, _, ranked = exact_sensitivity(cal, x, quality, progress)
         # Keep float first the layers whose float-ness buys back the most accuracy.
-        ranked.sort(key=lambda r: (-r.gain_pp, -r.loss_pp, -r.mse_only_this))
+        ranked.sort(key=lambda r: (-r.gain, -r.loss, -r.mse_only_this))
         ranking = [r.layer for r in ranked]
     if fallback == "float" or len(cal.layers) <= EXACT_LAYERS:
         _greedy(ranking, measure, max_drop_pp, frontier)
-    meeting = sorted((p for p in frontier if p.drop_pp <= max_drop_pp), key=lambda p: (len(p.changed), p.drop_pp))
-    # none meets the budget: the least worse plan (drop_pp is "worse by" whatever the metric's direction)
-    best = meeting[0] if meeting else min(frontier, key=lambda p: (p.drop_pp, len(p.changed)))
+    meeting = sorted((p for p in frontier if p.worse_by <= max_drop_pp), key=lambda p: (len(p.changed), p.worse_by))
+    # none meets the budget: the least worse plan (worse_by is "worse by" whatever the metric's direction)
+    best = meeting[0] if meeting else min(frontier, key=lambda p: (p.worse_by, len(p.changed)))
     if int4 and meeting:
         best = _int4_layers(
             model, dataset, samples, per_tensor, ranges, ranked, best, x, quality, fp32_acc, frontier, max_drop_pp
@@ -278,7 +278,7 @@ def _check_layer_names(model, model_path, best: PlanPoint) -> None:
 
 
 def _metric_fields(name: str) -> dict:
-    """What the plan file's accuracy, drop_pp and max_drop_pp hold: the metric, its unit, its change unit."""
+    """What the plan file's values, worse_by and budget hold: the metric, its unit, its change unit."""
     row = metric(name)
     return {"metric": name, "unit": row.unit, "change_unit": row.change, "higher_is_better": row.higher_is_better}
 
@@ -295,15 +295,15 @@ def _plan_record(
         "kind": "edgeq.plan",
         "model": str(model_path),
         "data": data,
-        "max_drop_pp": max_drop_pp,
+        "budget": max_drop_pp,
         "met": met,
         "fallback": fallback,
-        # no labels: every accuracy here is top-1 agreement with the FP32 model's own answers
+        # no labels: every value here is top-1 agreement with the FP32 model's own answers
         "label_free": quality.label_free,
-        "fp32_accuracy": accuracies[0],
-        "int8_accuracy": accuracies[1],
-        "accuracy": best.accuracy,
-        "drop_pp": best.drop_pp,
+        "fp32_value": accuracies[0],
+        "int8_value": accuracies[1],
+        "value": best.value,
+        "worse_by": best.worse_by,
         "size_bytes": best.size_bytes,
         "granularity": "per-tensor" if per_tensor else "per-channel",
         "ranges": ranges,
@@ -324,7 +324,7 @@ def _int4_layers(
     weighted = {la.name for la in model.layers if type(la).__name__ in ("Conv2D", "DepthwiseConv2D", "Dense")}
     candidates = sorted(
         (r for r in ranked if r.layer in weighted and r.layer not in best.float_layers),
-        key=lambda r: (r.loss_pp, r.mse_only_this),
+        key=lambda r: (r.loss, r.mse_only_this),
     )
     accepted: list[str] = []
     for candidate in candidates:
@@ -340,7 +340,7 @@ def _int4_layers(
             tuple(trial),
         )
         frontier.append(point)
-        if point.drop_pp <= max_drop_pp:
+        if point.worse_by <= max_drop_pp:
             accepted = trial
             best = point
     return best
@@ -357,11 +357,11 @@ def save_frontier_chart(result: PlanResult, path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     row = metric(result.metric)
     sizes = [p.size_bytes / 1024 for p in result.frontier]
-    worse = [p.drop_pp for p in result.frontier]  # in the metric's change unit, whatever its direction
+    worse = [p.worse_by for p in result.frontier]  # in the metric's change unit, whatever its direction
     ax.plot(sizes, worse, "o-", color="#4062bb")
     for p, s, a in zip(result.frontier, sizes, worse):
         ax.annotate(str(len(p.changed)), (s, a), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.axhline(result.max_drop_pp, color="#c33", lw=0.8, ls="--", label="budget")
+    ax.axhline(result.budget, color="#c33", lw=0.8, ls="--", label="budget")
     ax.set_xlabel("model size (KiB)")
     ax.set_ylabel(f"{row.label} worse than FP32 ({row.change_label})")
     moved = "at 16-bit" if result.fallback == "int16" else "kept float"

@@ -24,7 +24,7 @@ import numpy as np
 from edgeq.errors import UsageError
 from edgeq.quantize.calibration import Calibrated, calibrate, predict
 from edgeq.shims.tflite import native_output_silenced
-from edgeq.tasks import OutputSpec, drop, predicted, score, task
+from edgeq.tasks import OutputSpec, predicted, score, task, worse_by
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,11 @@ class FastSensitivity:
 class ExactSensitivity:
     layer: str
     nodes: int
-    accuracy_all_but_this: float  # everything quantized except this layer
-    accuracy_only_this: float  # only this layer quantized
+    value_all_but_this: float  # everything quantized except this layer
+    value_only_this: float  # only this layer quantized
     mse_only_this: float  # output MSE vs FP32 with only this layer quantized
-    gain_pp: float  # accuracy regained by keeping this layer float (vs full INT8), in points
-    loss_pp: float  # accuracy lost by quantizing only this layer (vs FP32), in points
+    gain: float  # accuracy regained by keeping this layer float (vs full INT8), in points
+    loss: float  # accuracy lost by quantizing only this layer (vs FP32), in points
     seconds: float
 
 
@@ -58,14 +58,14 @@ class SensitivityReport:
     model: str
     data: str
     samples: int
-    fp32_accuracy: float
-    int8_accuracy: float
+    fp32_value: float
+    int8_value: float
     fast: tuple[FastSensitivity, ...]
     exact: tuple[ExactSensitivity, ...]
     seconds_fast: float
     seconds_exact: float
     ranges: str = "minmax"  # activation range method (edgeq.quantize.ranges); minmax is the converter's own
-    metric: str = "accuracy"  # what fp32/int8_accuracy and the exact ranking measure: the output's task metric
+    metric: str = "accuracy"  # what fp32/int8_value and the exact ranking measure: the output's task metric
 
     def to_dict(self) -> dict:
         d = {"kind": "edgeq.analysis.sensitivity", **asdict(self)}
@@ -135,7 +135,7 @@ class Quality:
         return float(score(self.spec, outputs, self.targets, self.inputs)[self.metric])
 
     def points(self, reference: float, quantized: float) -> float:
-        got = drop(self.spec, {self.metric: reference}, {self.metric: quantized})
+        got = worse_by(self.spec, {self.metric: reference}, {self.metric: quantized})
         return float("nan") if got is None else got
 
 
@@ -280,7 +280,7 @@ def save_bar_chart(report: SensitivityReport, path) -> None:
     rows = report.exact or report.fast
     labels = [r.layer for r in rows]
     if report.exact:
-        values, xlabel = [r.gain_pp for r in rows], "accuracy regained by keeping the layer float (pp)"
+        values, xlabel = [r.gain for r in rows], "accuracy regained by keeping the layer float (pp)"
     else:
         values, xlabel = [-r.channel_sqnr_db for r in rows], "-(median channel SQNR, dB): higher is more sensitive"
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))

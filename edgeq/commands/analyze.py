@@ -125,9 +125,9 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
         )
     row = metric(report.metric)
     click.echo(
-        f"{report.data}, {report.samples} samples: {row.label} FP32 {row.show(report.fp32_accuracy)}, "
-        f"full INT8 {row.show(report.int8_accuracy)}, "
-        f"{row.show_change(row.worse_by(report.fp32_accuracy, report.int8_accuracy))} ({ranges} ranges)"
+        f"{report.data}, {report.samples} samples: {row.label} FP32 {row.show(report.fp32_value)}, "
+        f"full INT8 {row.show(report.int8_value)}, "
+        f"{row.show_change(row.worse_by(report.fp32_value, report.int8_value))} ({ranges} ranges)"
     )
     if report.fast:
         click.echo(f"\nfast (QuantizationDebugger, {report.seconds_fast:.1f} s): lowest channel SQNR first")
@@ -164,10 +164,10 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
                 [
                     (
                         e.layer,
-                        row.show(e.accuracy_all_but_this),
-                        row.show(e.accuracy_only_this),
-                        f"{e.gain_pp:+.2f}",
-                        f"{e.loss_pp:+.2f}",
+                        row.show(e.value_all_but_this),
+                        row.show(e.value_only_this),
+                        f"{e.gain:+.2f}",
+                        f"{e.loss:+.2f}",
                         f"{e.mse_only_this:.3g}",
                     )
                     for e in report.exact
@@ -240,8 +240,8 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     row = metric(result.metric)
     unit = row.change_label
     click.echo(
-        f"{result.data}, {result.samples} samples: {row.label} FP32 {row.show(result.fp32_accuracy)}, "
-        f"full INT8 {row.show(result.int8_accuracy)}, budget {max_drop:g} {unit} worse"
+        f"{result.data}, {result.samples} samples: {row.label} FP32 {row.show(result.fp32_value)}, "
+        f"full INT8 {row.show(result.int8_value)}, budget {max_drop:g} {unit} worse"
         + (" (no labels: accuracy is top-1 agreement with FP32)" if result.label_free else "")
     )
     click.echo(
@@ -251,8 +251,8 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
                 (
                     _names(p.changed) or "(none: full INT8)",
                     ", ".join(p.int4_layers) or "-",
-                    row.show(p.accuracy),
-                    f"{p.drop_pp:+.2f}",
+                    row.show(p.value),
+                    f"{p.worse_by:+.2f}",
                     f"{p.size_bytes / 1024:.1f}",
                 )
                 for p in result.frontier
@@ -267,7 +267,7 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     if not result.met:
         raise QualityGateError(
             f"no plan meets --max-drop {max_drop:g} {unit}: the best ({len(result.best.changed)} {moved}) "
-            f"is {result.best.drop_pp:.2f} {unit} worse; it is saved in {result.path}"
+            f"is {result.best.worse_by:.2f} {unit} worse; it is saved in {result.path}"
         )
 
 

@@ -64,9 +64,9 @@ def _rows(r) -> list[tuple]:
             rows.append(
                 (prefix + key, _value(key, o["reference_metrics"].get(key)), _value(key, o["metrics"].get(key)))
             )
-        if o["drop"] is not None:
+        if o["worse_by"] is not None:
             row = metric(o["primary"])
-            rows.append((f"{prefix}{row.label} change", "", row.show_change(o["drop"])))
+            rows.append((f"{prefix}{row.label} change", "", row.show_change(o["worse_by"])))
         c = o["comparison"]
         if c["agreement"] is not None:
             rows.append((f"{prefix}top-1 agreement", "", f"{c['agreement']:.2%}"))
@@ -76,7 +76,7 @@ def _rows(r) -> list[tuple]:
         d = r.detection
         rows.append(("detection mAP@0.5", f"{d['reference_map50']:.4f}", f"{d['map50']:.4f}"))
         rows.append(("detection mAP@0.5:0.95", f"{d['reference_map']:.4f}", f"{d['map']:.4f}"))
-        rows.append(("mAP@0.5 drop (points)", "", f"{d['drop']:+.2f}"))
+        rows.append(("mAP@0.5 change", "", metric("map50").show_change(d["worse_by"])))
     rows.append(
         ("size", f"{r.reference_size_bytes / 1024:.1f} KiB", f"{r.size_bytes / 1024:.1f} KiB ({r.size_ratio:.1%})")
     )

@@ -87,9 +87,9 @@ def render(report) -> str:
     lines.append(table(headers, rows, numbers=True))
     runs = report.model.runs[0].latency
     lines.append(f"(latency in ms over {runs.runs} runs after {runs.warmup} warm-up)")
-    if report.model.accuracy is not None:
-        acc = report.model.accuracy
-        reference = report.reference.accuracy if report.reference is not None else None
+    if report.model.scores is not None:
+        acc = report.model.scores
+        reference = report.reference.scores if report.reference is not None else None
         if len(acc.outputs) > 1 or (acc.outputs and acc.outputs[0]["task"] not in ("classification", "binary")):
             theirs = {o["name"]: o["metrics"] for o in (reference.outputs if reference else ())}
             lines.append("")
@@ -98,15 +98,18 @@ def render(report) -> str:
                 ref = ", ".join(_metric(k, v) for k, v in theirs.get(o["name"], {}).items())
                 lines.append(f"{o['name']} ({o['task']}): {shown}" + (f"; reference {ref}" if ref else ""))
         else:
+            row = metric(acc.metric or "accuracy")
             text = (
-                f"accuracy {pct(acc.accuracy)} on {acc.samples} samples" if acc.labelled else "accuracy n/a (no labels)"
+                f"{row.label} {row.show(acc.value)} on {acc.samples} samples"
+                if acc.labelled
+                else f"{row.label} n/a (no labels)"
             )
             if reference is not None:
-                text += f", reference {pct(reference.accuracy)}"
+                text += f", reference {row.show(reference.value)}"
             lines += ["", text]
-    if report.model.accuracy is not None and report.model.accuracy.detection:
-        d = report.model.accuracy.detection
-        ref = (report.reference.accuracy.detection or {}) if report.reference and report.reference.accuracy else {}
+    if report.model.scores is not None and report.model.scores.detection:
+        d = report.model.scores.detection
+        ref = (report.reference.scores.detection or {}) if report.reference and report.reference.scores else {}
         if d.get("map50") is None:
             lines.append(f"detection: {d['detections']} detections on {d['images']} images, scored by {d['scored_by']}")
         else:
@@ -130,7 +133,7 @@ def render(report) -> str:
         for c in report.comparison:
             row = metric(c.metric) if c.metric else None
             label = row.label if row else label
-            drop = "n/a" if row is None or c.accuracy_drop is None else row.show_change(c.accuracy_drop)
+            drop = "n/a" if row is None or c.worse_by is None else row.show_change(c.worse_by)
             rows.append([str(c.threads), f"{c.speedup:.2f}x", f"{c.size_ratio:.3f}", drop])
         lines += ["", table(["threads", "speedup", "size ratio", f"{label} vs reference"], rows, numbers=True)]
     return "\n".join(lines)
@@ -143,7 +146,7 @@ def _metric(name: str, value) -> str:
 
 @click.command("profile")
 @click.argument("model", metavar="MODEL.tflite")
-@click.option("--compare", metavar="FP32.tflite", help="Reference model: speedup, size ratio, accuracy drop.")
+@click.option("--compare", metavar="FP32.tflite", help="Reference model: speedup, size ratio, task metric change.")
 @click.option("--threads", "threads_text", default="1", show_default=True, help="Thread counts to sweep: 1,2,4.")
 @click.option("--runs", default=50, show_default=True, type=int, help="Timed invocations (at least).")
 @click.option("--warmup", default=5, show_default=True, type=int, help="Untimed invocations first.")
@@ -260,7 +263,7 @@ def _profile_fleet(model, options, targets, inventory_path, rollout, results_dir
                 r.runtime,
                 ms(r.mean_ms),
                 ms(r.median_ms),
-                "-" if r.accuracy is None else f"{metric(r.metric).label} {metric(r.metric).show(r.accuracy)}",
+                "-" if r.value is None else f"{metric(r.metric).label} {metric(r.metric).show(r.value)}",
                 f"{o.seconds:.1f}",
                 str(r.local_json),
             ]

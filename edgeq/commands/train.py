@@ -148,8 +148,8 @@ def train(model, out_dir, resume, force, model_options, activation_bits, compare
             s.kind,
             s.epochs,
             f"w{s.weight_bits}a{s.activation_bits}" if s.kind == "qat" else "fp32",
-            shown(s.val_accuracy),
-            shown(s.test_accuracy),
+            shown(s.val_value),
+            shown(s.test_value),
             f"{s.seconds:.1f}",
         )
         for s in result.stages

@@ -77,7 +77,7 @@ class RemoteProfile:
     runtime: str
     mean_ms: float
     median_ms: float
-    accuracy: float | None  # the first output's task metric (``metric``: accuracy, rmse, auc, map50)
+    value: float | None  # the first output's task metric (``metric``: accuracy, rmse, auc, map50)
     push: PushSummary
     report: dict = field(repr=False, default_factory=dict)
     commands: int = 0  # commands run on the device, the push's included, up to the profile's own
@@ -371,7 +371,7 @@ def profile_on(
         on_event(device.name, "fetching results")
         transport.download(remote_json, local)
         report = json.loads(local.read_text(encoding="utf-8"))
-        detection = ((report.get("model") or {}).get("accuracy") or {}).get("detection")
+        detection = ((report.get("model") or {}).get("scores") or {}).get("detection")
         if detection and detection.get("map50") is None and options.data:
             # the device decoded its own outputs; pycocotools scores them here, against the same file's boxes
             found = confine(results_remote, f"{stem}.profile.detections.npz")
@@ -382,8 +382,7 @@ def profile_on(
 
             write_json_atomic(local, report)
     run = report["model"]["runs"][0]["latency"]
-    scored = report["model"].get("accuracy") or {}
-    accuracy = scored.get("accuracy")
+    scored = report["model"].get("scores") or {}
     env = report["environment"]
     return RemoteProfile(
         local_json=local,
@@ -391,7 +390,7 @@ def profile_on(
         runtime=f"{env['runtime']} {env['runtime_version']}",
         mean_ms=float(run["mean_ms"]),
         median_ms=float(run["median_ms"]),
-        accuracy=accuracy,
+        value=scored.get("value"),
         push=pushed,
         report=report,
         commands=commands,
@@ -406,15 +405,15 @@ def _score_device_detections(report: dict, detections_file: Path, data: str | Pa
     from edgeq.runtime.profile import read_detections
 
     arrays = read_npz(data)
-    accuracy = report["model"]["accuracy"]
-    spec = accuracy["detection"]
+    scores = report["model"]["scores"]
+    spec = scores["detection"]
     x = next(v for k, v in arrays.items() if k == "x" or k.startswith("x_"))
     size = tuple(int(d) for d in x.shape[1:3])
     found = mean_average_precision(
         read_detections(detections_file), arrays["gt_boxes"], arrays["gt_classes"], size, int(spec["classes"])
     )
-    accuracy["detection"] = {**spec, **found, "scored_by": "pycocotools on the host, from the device's detections"}
-    accuracy["accuracy"] = found["map50"]
+    scores["detection"] = {**spec, **found, "scored_by": "pycocotools on the host, from the device's detections"}
+    scores["value"] = found["map50"]
     return report
 
 

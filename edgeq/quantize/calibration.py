@@ -22,6 +22,7 @@ from edgeq.compat import tf
 from edgeq.data import Dataset
 from edgeq.errors import UsageError
 from edgeq.names import producer_of
+from edgeq.numerics import channel_sqnr_db
 from edgeq.quantize.ranges import ACTIVATION_METHODS, activation_range
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.shims.litert import ops_details
@@ -67,33 +68,21 @@ class Calibrated:
 
 
 def _per_channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> np.ndarray:
-    """SQNR (dB, at most 100) of each output channel that carries a signal (one value: the whole vector)."""
-    f = np.asarray(float_tensor, dtype=np.float64)
-    q = (np.asarray(quant_tensor, dtype=np.float64) - zero_point) * scale
-    f2 = f.reshape(-1, f.shape[-1]) if f.ndim > 1 else f.reshape(-1, 1)
-    q2 = q.reshape(f2.shape)
-    if f2.shape[0] < 2:  # one value per channel (Dense, pooled): the whole vector is the signal
-        noise_all = float(np.sum((f2 - q2) ** 2))
-        if noise_all == 0:
-            return np.array([100.0])
-        return np.array([min(100.0, 10 * np.log10(max(float(np.sum(f2**2)), 1e-30) / noise_all))])
-    noise = np.sum((f2 - q2) ** 2, axis=0)
-    signal = np.sum((f2 - f2.mean(axis=0)) ** 2, axis=0)  # what the channel carries, not its offset
-    live = signal > 0
-    if not np.any(live):
-        return np.array([100.0])
-    per_channel = np.where(noise[live] > 0, 10 * np.log10(signal[live] / np.maximum(noise[live], 1e-30)), 100.0)
-    return np.minimum(per_channel, 100.0)
+    """The SQNR (``numerics.sqnr_db``, the one convert and eval print) of each output channel that
+    carries a signal."""
+    return channel_sqnr_db(float_tensor, (np.asarray(quant_tensor, dtype=np.float64) - zero_point) * scale)
 
 
 def _channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> float:
-    """The median SQNR over the op's output channels (what sensitivity ranks by)."""
+    """The median SQNR over the op's output channels (what sensitivity ranks by; inf: lossless)."""
     return float(np.median(_per_channel_sqnr(float_tensor, quant_tensor, scale, zero_point)))
 
 
 def _mean_channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> float:
-    """The mean SQNR over the op's output channels."""
-    return float(np.mean(_per_channel_sqnr(float_tensor, quant_tensor, scale, zero_point)))
+    """The mean SQNR over the op's lossy output channels (inf when every channel is lossless)."""
+    per_channel = _per_channel_sqnr(float_tensor, quant_tensor, scale, zero_point)
+    lossy = per_channel[np.isfinite(per_channel)]
+    return float(np.mean(lossy)) if len(lossy) else float(np.min(per_channel))
 
 
 def _worst_channel_sqnr(float_tensor, quant_tensor, scale, zero_point) -> float:

@@ -75,17 +75,17 @@ def _name(path: Any) -> str:
 # ---------------------------------------------------------------- sections
 
 MODEL_FIELDS = (
-    "reference", "mode", "dtype", "metric", "accuracy", "drop_pp", "agreement", "sqnr_db", "size_bytes", "size_ratio",
+    "reference", "mode", "dtype", "metric", "value", "worse_by", "agreement", "sqnr_db", "size_bytes", "size_ratio",
     "median_ms", "p90_ms", "speedup", "rss_mb", "threads", "integer_only", "verified", "data",
 )  # fmt: skip
 DEVICE_FIELDS = (
-    "machine", "runtime", "model", "median_ms", "p90_ms", "accuracy", "temperature_c", "throttled", "governor",
+    "machine", "runtime", "model", "median_ms", "p90_ms", "value", "temperature_c", "throttled", "governor",
     "verify", "verify_ok", "top1_agreement", "metric",
 )  # fmt: skip
 
 
 def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
-    """One row per quantized model (and the FP32 reference): accuracy, error, size, latency."""
+    """One row per quantized model (and the FP32 reference): task metric, error, size, latency."""
     rows: dict[str, dict] = {}
     checks: list[Check] = []
 
@@ -96,13 +96,13 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
         d = doc.data
         ref = row(_name(d["reference"]) + " (FP32 reference)")
         name = _eval_metric(d)
-        ref.update(accuracy=d["reference_accuracy"], size_bytes=d["reference_size_bytes"], reference=True, metric=name)
+        ref.update(value=d["reference_value"], size_bytes=d["reference_size_bytes"], reference=True, metric=name)
         r = row(_name(d["model"]))
         r.update(
             metric=name,
             dtype=d.get("model_dtype"),
-            accuracy=d["accuracy"],
-            drop_pp=d["drop_pp"],
+            value=d["value"],
+            worse_by=d["worse_by"],
             agreement=d["agreement"],
             sqnr_db=d["sqnr_db"],
             size_bytes=d["size_bytes"],
@@ -167,7 +167,7 @@ def _models(sources: Sources) -> tuple[list[dict], list[Check]]:
 
 
 def _eval_metric(d: dict) -> str:
-    """What an eval record's ``accuracy`` holds: its metric, else the first output's primary one."""
+    """What an eval record's ``value`` holds: its metric, else the first output's primary one."""
     if d.get("metric"):
         return d["metric"]
     if d.get("detection"):
@@ -176,70 +176,13 @@ def _eval_metric(d: dict) -> str:
 
 
 def _eval_checks(d: dict) -> list[Check]:
-    """What an eval record says about its model: each output's verdict (n, change, interval), or for a
-    record written before verdicts, detection mAP, each output, or the accuracy drop."""
-    budget = _num(d.get("max_drop_pp"))
+    """What an eval record says about its model: each output's verdict (n, change, interval), a
+    detector's on its mAP@0.5 among them."""
     if d.get("verdicts"):
-        checks = [Check(v.get("passed"), f"{_name(d['model'])}: {Verdict.from_dict(v).line()}") for v in d["verdicts"]]
-        return checks + ([_detection_check(d, budget)] if d.get("detection") else [])
-    outputs = d.get("outputs") or []
-    if d.get("detection"):
-        return [_detection_check(d, budget)]
-    if len(outputs) > 1 or (outputs and outputs[0].get("primary") != "accuracy"):
-        return _output_checks(d, budget)
-    if d.get("drop_pp") is None:
+        return [Check(v.get("passed"), f"{_name(d['model'])}: {Verdict.from_dict(v).line()}") for v in d["verdicts"]]
+    if d.get("labelled") is False:
         return [Check(None, f"{_name(d['model'])}: no labels, outputs compared only ({d.get('data')})")]
-    if budget is not None:
-        ok = bool(d.get("passed"))
-        return [
-            Check(
-                ok,
-                f"{_name(d['model'])}: accuracy drop {d['drop_pp']:+.2f} pp "
-                f"{'within' if ok else 'exceeds'} the {budget:g} pp budget "
-                f"(FP32 {d['reference_accuracy']:.2%}, quantized {d['accuracy']:.2%}, {d.get('data')})",
-            )
-        ]
-    return [
-        Check(
-            None,
-            f"{_name(d['model'])}: accuracy drop {d['drop_pp']:+.2f} pp (no budget given: "
-            "edgeq eval --max-drop PP sets one)",
-        )
-    ]
-
-
-def _detection_check(d: dict, budget: float | None) -> Check:
-    """A detector's verdict: its mAP@0.5 drop (both heads decoded, pycocotools) against the budget."""
-    det = d["detection"]
-    text = (
-        f"{_name(d['model'])}: detection mAP@0.5 {det['reference_map50']:.3f} -> {det['map50']:.3f} "
-        f"(mAP@0.5:0.95 {det['reference_map']:.3f} -> {det['map']:.3f}), drop {det['drop']:+.2f} points "
-        f"on {det['images']} images"
-    )
-    if budget is None:
-        return Check(None, text + " (no budget given: edgeq eval --max-drop sets one)")
-    ok = det["drop"] <= budget
-    return Check(ok, f"{text} {'within' if ok else 'exceeds'} the {budget:g}-point budget")
-
-
-def _output_checks(d: dict, budget: float | None) -> list[Check]:
-    """One check per output with a primary metric: its drop against the budget (in the task's unit)."""
-    checks = []
-    for o in d.get("outputs") or []:
-        if o.get("drop") is None:
-            continue
-        unit = change_label(o["primary"])
-        text = (
-            f"{_name(d['model'])}: output {o['name']} ({o['task']}) {o['primary']} "
-            f"{_metric(o['primary'], o['reference_metrics'].get(o['primary']))} -> "
-            f"{_metric(o['primary'], o['metrics'].get(o['primary']))}, drop {o['drop']:+.2f} {unit}"
-        )
-        if budget is None:
-            checks.append(Check(None, text + " (no budget given: edgeq eval --max-drop sets one)"))
-        else:
-            ok = o["drop"] <= budget
-            checks.append(Check(ok, f"{text} {'within' if ok else 'exceeds'} the {budget:g} {unit} budget"))
-    return checks
+    return [Check(None, f"{_name(d['model'])}: no verdict in this record ({d.get('data')}): rerun edgeq eval on it")]
 
 
 def _metric(name: str, value: Any) -> str:
@@ -282,7 +225,7 @@ def _outputs(sources: Sources) -> list[dict]:
                     "task": f"detection ({det['layout']})",
                     "metrics": f"mAP@0.5 {det['reference_map50']:.4f} -> {det['map50']:.4f}, "
                     f"mAP@0.5:0.95 {det['reference_map']:.4f} -> {det['map']:.4f}",
-                    "drop": det["drop"],
+                    "worse_by": det["worse_by"],
                     "unit": "points",
                     "sqnr_db": None,
                     "agreement": None,
@@ -300,7 +243,7 @@ def _outputs(sources: Sources) -> list[dict]:
                         for k, v in o["metrics"].items()
                     )
                     or "compared only",
-                    "drop": o.get("drop"),
+                    "worse_by": o.get("worse_by"),
                     "unit": change_label(o["primary"]) if o.get("primary") else "",
                     "sqnr_db": c.get("sqnr_db"),
                     "agreement": c.get("agreement"),
@@ -309,7 +252,7 @@ def _outputs(sources: Sources) -> list[dict]:
     for doc in sources.of("profile"):
         if doc.device is None:
             continue
-        det = ((doc.data.get("model") or {}).get("accuracy") or {}).get("detection")
+        det = ((doc.data.get("model") or {}).get("scores") or {}).get("detection")
         if det and det.get("map50") is not None:
             rows.append(
                 {
@@ -317,13 +260,13 @@ def _outputs(sources: Sources) -> list[dict]:
                     "output": f"{det['boxes']} + {det['scores']}",
                     "task": f"detection ({det['layout']})",
                     "metrics": f"mAP@0.5 {det['map50']:.4f}, mAP@0.5:0.95 {det['map']:.4f} ({det.get('scored_by')})",
-                    "drop": None,
+                    "worse_by": None,
                     "unit": "",
                     "sqnr_db": None,
                     "agreement": None,
                 }
             )
-        acc = ((doc.data.get("model") or {}).get("accuracy") or {}).get("outputs") or []
+        acc = ((doc.data.get("model") or {}).get("scores") or {}).get("outputs") or []
         agree = {o["name"]: o for o in ((doc.data.get("agreement") or {}).get("outputs") or [])}
         if len(acc) < 2 and all(o.get("task") == "classification" for o in acc):
             continue
@@ -335,7 +278,7 @@ def _outputs(sources: Sources) -> list[dict]:
                     "output": o["name"],
                     "task": o["task"],
                     "metrics": ", ".join(f"{k} {_metric(k, v)}" for k, v in o["metrics"].items()) or "compared only",
-                    "drop": None,
+                    "worse_by": None,
                     "unit": "",
                     "sqnr_db": a.get("sqnr_db"),
                     "agreement": a.get("top1_agreement"),
@@ -389,10 +332,10 @@ def _sensitivity(sources: Sources) -> list[dict]:
         fast = [f for f in d.get("fast") or [] if _num(f.get("channel_sqnr_db")) is not None]
         exact = d.get("exact") or []
         name = d.get("metric") or "accuracy"
-        if any(_num(e.get("loss_pp")) for e in exact):  # all zero: the SQNR bars say more
+        if any(_num(e.get("loss")) for e in exact):  # all zero: the SQNR bars say more
             figure = figures.sensitivity_bars(
                 [e["layer"] for e in exact],
-                [_num(e.get("loss_pp")) or 0.0 for e in exact],
+                [_num(e.get("loss")) or 0.0 for e in exact],
                 f"{metric_label(name)} lost when only this layer is int8 ({change_label(name)}), "
                 "most sensitive (by output error) first",
             )
@@ -410,15 +353,15 @@ def _sensitivity(sources: Sources) -> list[dict]:
                 "model": d.get("model"),
                 "data": d.get("data"),
                 "metric": name,
-                "fp32_accuracy": d.get("fp32_accuracy"),
-                "int8_accuracy": d.get("int8_accuracy"),
+                "fp32_value": d.get("fp32_value"),
+                "int8_value": d.get("int8_value"),
                 "figure": figure,
                 "rows": [
                     {
                         "layer": f["layer"],
                         "sqnr": f.get("channel_sqnr_db"),
                         "worst": f.get("worst_channel_sqnr_db"),
-                        "loss_pp": next((e.get("loss_pp") for e in exact if e["layer"] == f["layer"]), None),
+                        "loss": next((e.get("loss") for e in exact if e["layer"] == f["layer"]), None),
                     }
                     for f in fast
                 ],
@@ -431,7 +374,7 @@ def _plans(sources: Sources) -> tuple[list[dict], list[Check]]:
     out, checks = [], []
     for doc in sources.of("plan"):
         d = doc.data
-        chosen = {"size_bytes": d.get("size_bytes"), "drop_pp": d.get("drop_pp")}
+        chosen = {"size_bytes": d.get("size_bytes"), "worse_by": d.get("worse_by")}
         points = [p for p in d.get("frontier") or [] if _num(p.get("size_bytes")) is not None]
         layers = d.get("layers") or {}
         out.append(
@@ -439,16 +382,16 @@ def _plans(sources: Sources) -> tuple[list[dict], list[Check]]:
                 "path": str(doc.path),
                 "metric": d.get("metric") or "accuracy",
                 "verdict": Verdict.from_dict(d["verdict"]).line() if d.get("verdict") else None,
-                "max_drop_pp": d.get("max_drop_pp"),
+                "budget": d.get("budget"),
                 "met": d.get("met"),
-                "accuracy": d.get("accuracy"),
-                "drop_pp": d.get("drop_pp"),
-                "fp32_accuracy": d.get("fp32_accuracy"),
-                "int8_accuracy": d.get("int8_accuracy"),
+                "value": d.get("value"),
+                "worse_by": d.get("worse_by"),
+                "fp32_value": d.get("fp32_value"),
+                "int8_value": d.get("int8_value"),
                 "size_bytes": d.get("size_bytes"),
                 "float_layers": [k for k, v in layers.items() if v == "float"],
                 "int4_layers": [k for k, v in layers.items() if isinstance(v, dict) and v.get("weight_bits") == 4],
-                "figure": figures.plan_frontier(points, float(d.get("max_drop_pp") or 0.0), chosen) if points else None,
+                "figure": figures.plan_frontier(points, float(d.get("budget") or 0.0), chosen) if points else None,
             }
         )
         if d.get("met") is not None:
@@ -456,8 +399,8 @@ def _plans(sources: Sources) -> tuple[list[dict], list[Check]]:
                 Check(
                     bool(d["met"]),
                     f"plan {doc.path.name}: {'meets' if d['met'] else 'does not meet'} its "
-                    f"{d.get('max_drop_pp'):g} {change_label(d.get('metric'))} budget "
-                    f"({metric_change(d.get('drop_pp'), d.get('metric'))} on {d.get('samples', '?')} samples)",
+                    f"{d.get('budget'):g} {change_label(d.get('metric'))} budget "
+                    f"({metric_change(d.get('worse_by'), d.get('metric'))} on {d.get('samples', '?')} samples)",
                 )
             )
     return out, checks
@@ -554,14 +497,14 @@ def _fleet(sources: Sources) -> tuple[list[dict], list[Check]]:
         d = doc.data
         env = d.get("environment") or {}
         runs = (d.get("model") or {}).get("runs") or []
-        acc = (d.get("model") or {}).get("accuracy") or {}
+        acc = (d.get("model") or {}).get("scores") or {}
         devices.setdefault(doc.device, {"device": doc.device}).update(
             machine=env.get("machine"),
             runtime=f"{env.get('runtime')} {env.get('runtime_version')}",
             model=_name((d.get("model") or {}).get("model", {}).get("path", "")),
             median_ms=runs[0]["latency"]["median_ms"] if runs else None,
             p90_ms=runs[0]["latency"].get("p90_ms") if runs else None,
-            accuracy=acc.get("accuracy"),
+            value=acc.get("value"),
             metric=acc.get("metric") or "accuracy",
             temperature_c=env.get("temperature_c"),
             governor=env.get("governor"),

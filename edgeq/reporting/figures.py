@@ -88,9 +88,9 @@ def plan_frontier(points: list[dict], budget_pp: float, chosen: dict | None) -> 
     """Model size vs accuracy drop for each plan tried; the budget as a line, the chosen plan ringed."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.scatter([p["size_bytes"] / 1024 for p in points], [p["drop_pp"] for p in points], color=COLORS["point"], s=18)
+    ax.scatter([p["size_bytes"] / 1024 for p in points], [p["worse_by"] for p in points], color=COLORS["point"], s=18)
     if chosen is not None:
-        ax.scatter([chosen["size_bytes"] / 1024], [chosen["drop_pp"]], s=120, facecolors="none", edgecolors="black")
+        ax.scatter([chosen["size_bytes"] / 1024], [chosen["worse_by"]], s=120, facecolors="none", edgecolors="black")
     ax.axhline(budget_pp, color=COLORS["budget"], ls="--", lw=1, label=f"budget {budget_pp:g} pp")
     ax.set_xlabel("model size (KiB)")
     ax.set_ylabel("accuracy drop vs FP32 (pp)")

@@ -125,20 +125,22 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
-class AccuracyStats:
+class Scores:
+    """Each output scored by its task on the data's labels; ``value``: the first output's primary metric."""
+
     samples: int
     labelled: bool
-    accuracy: float | None  # the first output's primary metric (``metric``); None without labels
+    value: float | None  # the first output's primary metric (``metric``); None without labels
     outputs: tuple[dict, ...] = ()  # each output: name, task, its task's metrics (edgeq.tasks.score)
     detection: dict | None = None  # a detector on data with boxes: decoded here; mAP here or by the host
-    metric: str | None = None  # what ``accuracy`` holds: accuracy, rmse, auc, map50 (edgeq.tasks.METRICS)
+    metric: str | None = None  # what ``value`` holds: accuracy, rmse, auc, map50 (edgeq.metrics.METRICS)
 
 
 @dataclass(frozen=True)
 class ModelProfile:
     model: ModelFacts
     runs: tuple[RunResult, ...]
-    accuracy: AccuracyStats | None
+    scores: Scores | None  # None without data
     detections: tuple | None = field(default=None, repr=False, compare=False)  # per image, not in the JSON
 
 
@@ -162,11 +164,11 @@ class Comparison:
     threads: int
     speedup: float  # reference median / model median
     size_ratio: float  # model bytes / reference bytes
-    accuracy_drop: float | None  # how much worse the model's metric is, in change_unit (negative: better)
+    worse_by: float | None  # how much worse the model's metric is, in change_unit (negative: better)
     top1_agreement: float | None
     max_abs_error: float | None
-    metric: str | None = None  # what accuracy_drop measures (the first output's task metric)
-    change_unit: str | None = None  # of accuracy_drop: "pp", "%" (of an error such as RMSE), "points"
+    metric: str | None = None  # what worse_by measures (the first output's task metric)
+    change_unit: str | None = None  # of worse_by: "pp", "%" (of an error such as RMSE), "points"
 
 
 @dataclass(frozen=True)
@@ -614,12 +616,10 @@ def output_specs(path: Path, model: TFLiteModel, data: DeviceSamples | None) -> 
     return specs_for(order, shapes, None, recorded, None, targets, None)
 
 
-def _accuracy(
-    outputs: dict[str, np.ndarray], data: DeviceSamples, specs: list[OutputSpec], where: str
-) -> AccuracyStats:
+def _scores(outputs: dict[str, np.ndarray], data: DeviceSamples, specs: list[OutputSpec], where: str) -> Scores:
     """Each output scored by its task against the data's labels (the same scoring as edgeq eval)."""
     if data.y is None:
-        return AccuracyStats(samples=data.count, labelled=False, accuracy=None)
+        return Scores(samples=data.count, labelled=False, value=None)
     rows, first, first_metric = [], None, None
     for spec in specs:
         targets = data.targets(spec.name, len(specs))
@@ -636,17 +636,17 @@ def _accuracy(
         primary = TASKS[spec.kind].primary
         if first is None and primary in metrics:
             first, first_metric = metrics[primary], primary
-    return AccuracyStats(samples=data.count, labelled=True, accuracy=first, outputs=tuple(rows), metric=first_metric)
+    return Scores(samples=data.count, labelled=True, value=first, outputs=tuple(rows), metric=first_metric)
 
 
-def _detect(path: Path, outputs: dict, data: DeviceSamples, accuracy: AccuracyStats):
+def _detect(path: Path, outputs: dict, data: DeviceSamples, scores: Scores):
     """A detector's outputs decoded and NMS'd here, as on the host (edgeq.detection); scored by
     pycocotools where this device has it, else by the host that fetches them (profile --on)."""
     from edgeq.detection import DetectionSpec, decode, mean_average_precision
 
     recorded = detection_beside(path)
     if recorded is None:
-        return accuracy, None
+        return scores, None
     spec = DetectionSpec.from_dict(recorded)
     detections = decode(spec, outputs)
     found: dict[str, Any] = {
@@ -660,9 +660,7 @@ def _detect(path: Path, outputs: dict, data: DeviceSamples, accuracy: AccuracySt
         found["scored_by"] = "pycocotools on this device"
     except MissingExtraError:
         found |= {"map": None, "map50": None, "scored_by": "the host (pycocotools is not installed here)"}
-    return dataclasses.replace(accuracy, detection=found, accuracy=found.get("map50"), metric="map50"), tuple(
-        detections
-    )
+    return dataclasses.replace(scores, detection=found, value=found.get("map50"), metric="map50"), tuple(detections)
 
 
 def write_detections(profile: ModelProfile, path: str | Path) -> Path | None:
@@ -723,12 +721,12 @@ def _profile_one(
             if data is not None:
                 outputs = predict_all(model, data.x, kwargs.get("progress"), desc=f"{path.name} accuracy")
         del model
-    accuracy = _accuracy(outputs, data, specs, str(path)) if data is not None and outputs is not None else None
+    scores = _scores(outputs, data, specs, str(path)) if data is not None and outputs is not None else None
     detections = None
-    if accuracy is not None and isinstance(data.y, dict) and "gt_boxes" in data.y:
-        accuracy, detections = _detect(path, outputs, data, accuracy)
+    if scores is not None and isinstance(data.y, dict) and "gt_boxes" in data.y:
+        scores, detections = _detect(path, outputs, data, scores)
     assert facts is not None
-    profile = ModelProfile(model=facts, runs=tuple(runs), accuracy=accuracy, detections=detections)
+    profile = ModelProfile(model=facts, runs=tuple(runs), scores=scores, detections=detections)
     return profile, outputs, specs
 
 
@@ -821,18 +819,18 @@ def profile_model(
 
 
 def _comparison(main, reference, agreement) -> list[Comparison]:
-    """The model against its reference at each thread count: speedup, size ratio, accuracy drop."""
+    """The model against its reference at each thread count: speedup, size ratio, how much worse its task metric is."""
     drop, name = None, None
-    if main.accuracy and reference.accuracy and main.accuracy.labelled and main.accuracy.accuracy is not None:
-        name = main.accuracy.metric or "accuracy"
-        if reference.accuracy.accuracy is not None:
-            drop = metric(name).worse_by(reference.accuracy.accuracy, main.accuracy.accuracy)
+    if main.scores and reference.scores and main.scores.labelled and main.scores.value is not None:
+        name = main.scores.metric or "accuracy"
+        if reference.scores.value is not None:
+            drop = metric(name).worse_by(reference.scores.value, main.scores.value)
     return [
         Comparison(
             threads=mine.threads,
             speedup=round(theirs.latency.median_ms / mine.latency.median_ms, 4),
             size_ratio=round(main.model.size_bytes / reference.model.size_bytes, 4),
-            accuracy_drop=drop,
+            worse_by=drop,
             top1_agreement=agreement.top1_agreement if agreement else None,
             max_abs_error=agreement.max_abs_error if agreement else None,
             metric=name,

@@ -104,8 +104,8 @@ class StageResult:
     epochs: int
     weight_bits: int
     activation_bits: int
-    val_accuracy: float  # the first output's primary metric (accuracy for a classifier): ``metric``
-    test_accuracy: float
+    val_value: float  # the first output's primary metric (accuracy for a classifier): ``metric``
+    test_value: float
     seconds: float
     metric: str = "accuracy"
 
@@ -864,11 +864,9 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
             )
             results.append(result)
             run.history[index]["final"] = {
-                "val_accuracy": result.val_accuracy, "test_accuracy": result.test_accuracy, "metric": result.metric
+                "val_value": result.val_value, "test_value": result.test_value, "metric": result.metric
             }  # fmt: skip
-            log.info(
-                "stage %s: val %s %.4f test %.4f", stage.name, result.metric, result.val_accuracy, result.test_accuracy
-            )
+            log.info("stage %s: val %s %.4f test %.4f", stage.name, result.metric, result.val_value, result.test_value)
             if stage.kind == "fp32":
                 _save_fp32(run, float_model, user_model)
             else:

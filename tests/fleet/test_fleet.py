@@ -64,7 +64,7 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
         report = json.loads((tmp_path / "results" / device / "tiny_int8.profile.json").read_text())
         machines[device] = report["environment"]["machine"]
         assert report["environment"]["runtime"] == "ai_edge_litert"
-        assert report["model"]["accuracy"]["accuracy"] > 0.9
+        assert report["model"]["scores"]["value"] > 0.9
     assert machines == {"x86-venv": "x86_64", "pi4-emu": "aarch64"}
     lines = {line.split()[0]: line for line in profiled.stdout.splitlines() if line.strip()}
     assert " ok " in lines["x86-venv"] and " ok " in lines["pi4-emu"]
@@ -80,7 +80,7 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
     for device, row in rows.items():
         report = json.loads((tmp_path / "results" / device / "tiny_int8.profile.json").read_text())
         assert row["median_ms"] == report["model"]["runs"][0]["latency"]["median_ms"]
-        assert row["accuracy"] == report["model"]["accuracy"]["accuracy"]
+        assert row["value"] == report["model"]["scores"]["value"]
 
     # Bootstrapped once: a second push sends nothing and installs nothing (unless someone
     # edited the checkout meanwhile: then the new edgeq wheel is installed, as it should be).
@@ -156,11 +156,11 @@ def test_a_three_output_model_is_bit_exact_on_every_output_of_the_emulated_pi(cl
     profiled = _run(cli, fleet, "profile", out, "--data", tmp_path / "faces.npz", "--runs", "2", "--on", "pi4-emu")
     assert profiled.exit_code == 0, profiled.output
     report = json.loads((tmp_path / "results" / "pi4-emu" / "onet_int8.profile.json").read_text())
-    on_device = {o["name"]: o for o in report["model"]["accuracy"]["outputs"]}
+    on_device = {o["name"]: o for o in report["model"]["scores"]["outputs"]}
     assert on_device["face_prob"]["task"] == "classification" and on_device["bbox_reg"]["task"] == "regression"
     local = tmp_path / "host.json"  # the same file's profile on this host: the same metrics, to the digit
     assert cli("profile", out, "--data", tmp_path / "faces.npz", "--runs", "1", "--json", local).exit_code == 0
-    on_host = {o["name"]: o for o in json.loads(local.read_text())["model"]["accuracy"]["outputs"]}
+    on_host = {o["name"]: o for o in json.loads(local.read_text())["model"]["scores"]["outputs"]}
     assert on_device == on_host and "accuracy" in on_host["face_prob"]["metrics"]
 
 
@@ -174,10 +174,10 @@ def test_a_detectors_map_on_the_emulated_pi_equals_the_hosts(cli, fleet, detecto
     assert result.exit_code == 0, result.output
     device = json.loads((tmp_path / "results" / "pi4-emu" / "det_int8.profile.json").read_text())
     assert device["environment"]["machine"] == "aarch64"
-    on_device = device["model"]["accuracy"]["detection"]
+    on_device = device["model"]["scores"]["detection"]
     assert on_device["scored_by"].startswith("pycocotools on the host")
     assert cli("profile", model, "--data", data, "--runs", "1", "--json", tmp_path / "host.json").exit_code == 0
-    on_host = json.loads((tmp_path / "host.json").read_text())["model"]["accuracy"]["detection"]
+    on_host = json.loads((tmp_path / "host.json").read_text())["model"]["scores"]["detection"]
     assert on_device["images"] == on_host["images"] == 60 and on_device["detections"] == on_host["detections"]
     assert on_device["detections"] > 0 and on_device["map50"] > 0  # a detector that finds something: not 0 == 0
     assert (on_device["map50"], on_device["map"]) == (on_host["map50"], on_host["map"])
@@ -384,7 +384,7 @@ def test_offline_device_without_pip_gets_every_wheel_pushed(cli, fleet, tmp_path
     assert (site / "numpy").is_dir() and (site / "ai_edge_litert").is_dir() and (site / "edgeq").is_dir()
     report = json.loads((tmp_path / "results" / "pi4-bare" / "tiny_int8.profile.json").read_text())
     assert report["environment"]["machine"] == "aarch64"
-    assert report["model"]["accuracy"]["accuracy"] > 0.9
+    assert report["model"]["scores"]["value"] > 0.9
 
 
 def test_a_cold_push_to_a_new_virtualenv_is_five_remote_commands(fleet, tmp_path):

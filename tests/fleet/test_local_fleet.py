@@ -69,7 +69,7 @@ def test_push_and_profile_on_a_local_fleet_name_the_failed_devices(cli, local_fl
     assert {n for n, s in _rows(profiled.stdout).items() if s == "failed"} == set(BROKEN)
     for i in range(len(BROKEN), DEVICES):
         report = json.loads((tmp_path / "results" / f"dev{i:02d}" / "tiny_int8.profile.json").read_text())
-        assert report["model"]["accuracy"]["accuracy"] > 0.9
+        assert report["model"]["scores"]["value"] > 0.9
 
 
 def test_a_spent_failure_budget_stops_the_rollout(cli, local_fleet):
@@ -206,7 +206,7 @@ def test_a_tflite_runtime_device_profiles_and_verifies_bit_exact(cli, tflite_run
     report = json.loads((tmp_path / "results" / "coral" / "tiny_int8.profile.json").read_text())
     environment = report["environment"]
     assert environment["runtime"] == "tflite_runtime" and environment["numpy_version"].startswith("1.")
-    assert report["model"]["accuracy"]["accuracy"] > 0.9
+    assert report["model"]["scores"]["value"] > 0.9
     for model in models:
         for delegate in ("none", "xnnpack"):
             checked = cli("verify", model, "--data", DIGITS, "--on", "coral", "--inventory", inventory,
@@ -330,7 +330,7 @@ def test_an_emulated_pi5_profiles_and_verifies_bit_exact(cli, tmp_path, monkeypa
     profiled = cli("profile", INT8, "--data", DIGITS, "--runs", "5", "--on", "pi5", "--inventory", inventory)
     assert profiled.exit_code == 0, profiled.output
     report = json.loads((tmp_path / "results" / "pi5" / "tiny_int8.profile.json").read_text())
-    assert report["environment"]["machine"] == "aarch64" and report["model"]["accuracy"]["accuracy"] > 0.9
+    assert report["environment"]["machine"] == "aarch64" and report["model"]["scores"]["value"] > 0.9
     checked = cli("verify", INT8, "--data", DIGITS, "--on", "pi5", "--inventory", inventory, "--json", "v.json")
     assert checked.exit_code == 0, checked.output
     assert json.loads((tmp_path / "v.json").read_text())["devices"][0]["bit_exact"]

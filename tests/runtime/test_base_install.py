@@ -55,7 +55,7 @@ def test_base_install_profiles_and_inspects(base_venv, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["environment"]["runtime"] == "ai_edge_litert"
-    assert data["model"]["accuracy"]["accuracy"] > 0.9
+    assert data["model"]["scores"]["value"] > 0.9
     proc = _run(base_venv, edgeq, "inspect", INT8, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "integer-only   yes" in proc.stdout
@@ -101,7 +101,7 @@ def test_tflite_runtime_install_profiles_inspects_and_matches_litert(tflite_runt
     data = json.loads(out.read_text())
     assert data["environment"]["runtime"] == "tflite_runtime"
     assert data["environment"]["numpy_version"].startswith("1.")
-    assert data["model"]["accuracy"]["accuracy"] > 0.9
+    assert data["model"]["scores"]["value"] > 0.9
     proc = _run(tflite_runtime_venv, edgeq, "inspect", INT8, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "integer-only   yes" in proc.stdout and "CONV_2D" in proc.stdout

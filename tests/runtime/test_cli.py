@@ -39,10 +39,10 @@ def test_profile_json_has_every_field(run_cli, tmp_path):
         assert set(run["latency"]) >= LATENCY_FIELDS
         assert {"init_ms", "first_inference_ms", "threads"} <= set(run)
         assert {"peak_rss_load_mb", "peak_rss_run_mb"} <= set(run["memory"])
-    assert model["accuracy"]["accuracy"] > 0.9
+    assert model["scores"]["value"] > 0.9
     assert {"top1_agreement", "max_abs_error", "mean_abs_error"} <= set(data["agreement"])
     for row in data["comparison"]:
-        assert row["speedup"] > 0 and 0 < row["size_ratio"] < 1 and row["accuracy_drop"] is not None
+        assert row["speedup"] > 0 and 0 < row["size_ratio"] < 1 and row["worse_by"] is not None
 
 
 def test_inspect_prints_and_writes_json(run_cli, tmp_path):

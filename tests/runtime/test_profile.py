@@ -43,7 +43,7 @@ def test_profile_compare_reports_everything(compared):
         assert 0 < lat.min_ms <= lat.median_ms <= lat.max_ms
         assert run.init_ms > 0 and run.first_inference_ms > 0
         assert run.memory.peak_rss_run_mb >= 10 and run.memory.peak_rss_load_mb >= 10
-    assert r.model.accuracy.accuracy > 0.9 and r.reference.accuracy.accuracy > 0.9
+    assert r.model.scores.value > 0.9 and r.reference.scores.value > 0.9
     assert r.agreement.top1_agreement > 0.95 and 0 <= r.agreement.max_abs_error < 0.3
     assert len(r.comparison) == 2
     first = r.comparison[0]
@@ -51,7 +51,7 @@ def test_profile_compare_reports_everything(compared):
         r.reference.runs[0].latency.median_ms / r.model.runs[0].latency.median_ms, rel=1e-3
     )
     assert first.size_ratio == pytest.approx(INT8.stat().st_size / FP32.stat().st_size, rel=1e-3)
-    assert first.accuracy_drop == pytest.approx(r.reference.accuracy.accuracy - r.model.accuracy.accuracy, abs=1e-6)
+    assert first.worse_by == pytest.approx(r.reference.scores.value - r.model.scores.value, abs=1e-6)
     assert r.model.model.integer_only and not r.reference.model.integer_only
     assert r.model.model.ops.int8_share == 1.0 and r.reference.model.ops.float_share == 1.0
     env = r.environment
@@ -64,14 +64,14 @@ def test_report_is_json(compared):
     data = json.loads(json.dumps(report_to_dict(compared)))
     assert data["schema"] == "edgeq.profile/1"
     assert data["model"]["model"]["sha256"] == compared.model.model.sha256
-    assert set(data["comparison"][0]) >= {"speedup", "size_ratio", "accuracy_drop", "top1_agreement"}
+    assert set(data["comparison"][0]) >= {"speedup", "size_ratio", "worse_by", "top1_agreement"}
 
 
 def test_min_seconds_keeps_running():
     report = profile_model(INT8, runs=5, warmup=0, min_seconds=0.3)
     lat = report.model.runs[0].latency
     assert lat.runs > 5
-    assert report.comparison == () and report.reference is None and report.model.accuracy is None
+    assert report.comparison == () and report.reference is None and report.model.scores is None
 
 
 def test_accuracy_without_labels_and_uint8_model(tmp_path):
@@ -79,8 +79,8 @@ def test_accuracy_without_labels_and_uint8_model(tmp_path):
     unlabelled = tmp_path / "x.npz"
     np.savez(unlabelled, x=x)
     report = profile_model(UINT8, runs=3, warmup=0, data=unlabelled, compare=INT8)
-    assert report.model.accuracy.labelled is False and report.model.accuracy.accuracy is None
-    assert report.comparison[0].accuracy_drop is None
+    assert report.model.scores.labelled is False and report.model.scores.value is None
+    assert report.comparison[0].worse_by is None
     assert report.agreement.samples == 40
 
 
