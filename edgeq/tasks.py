@@ -408,8 +408,8 @@ def _head_kind(head: str | None, shape: tuple[int, ...]) -> str | None:
 
 def _compiled_kind(family: str, shape: tuple[int, ...], input_shape) -> str | None:
     """The task a compile config's loss family gives an output of ``shape`` (None: let the rest decide)."""
-    if family == "regression":
-        return None if input_shape is not None and tuple(shape) == tuple(input_shape) else "regression"
+    if family == "regression":  # trained to give back its input: an autoencoder
+        return "reconstruction" if input_shape is not None and tuple(shape) == tuple(input_shape) else "regression"
     return _head_kind(family, shape)
 
 

@@ -17,6 +17,7 @@ from edgeq.detection import (
     encode_centre,
     mean_average_precision,
 )
+from tests.conftest import assert_one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +182,9 @@ def test_the_zoo_detector_trains_converts_integer_only_and_is_judged_by_map(cli,
     page = tmp_path / "r.html"
     assert cli("report", tmp_path / "e.json", folder / "det_int8.tflite", "--out", page).exit_code == 0
     assert "detection: mAP@0.5" in page.read_text() and "detection (centre)" in page.read_text()
+    # analyze ranks layers by one output's metric: a detector (two heads, judged together by mAP) is refused
+    analyzed = cli("analyze", "sensitivity", folder / "run" / "fp32.keras", "--data", data)
+    assert_one_line_error(analyzed, "2 output(s)", "eval judge each output")
 
 
 def test_edgetpu_conversion_of_the_detector_maps_every_op(cli, detector, tmp_path):

@@ -287,3 +287,49 @@ def test_convert_max_drop_verifies_by_the_task_metric_with_its_evidence(cli, age
     unlabelled = cli("convert", folder / "age.keras", "--int8-only", "--calib", f"npz:{folder / 'x_only.npz'}",
                      "--max-drop", "5", "--out", tmp_path / "x.tflite")  # fmt: skip
     assert_one_line_error(unlabelled, "--max-drop 5", "no output", "give labels")
+
+
+def test_an_autoencoder_speaks_auc_through_analyze_profile_and_report(cli, tmp_path):
+    """An MSE-trained autoencoder (its compile config says so) is judged by its anomaly AUC in points
+    through analyze sensitivity and plan, profile --compare and report; a two-head model is refused by
+    analyze in one line that says where each head is judged."""
+    import keras
+
+    rng = np.random.default_rng(2)
+    inputs = keras.Input((8,), name="frames")
+    model = keras.Model(inputs, keras.layers.Dense(8, name="dec")(keras.layers.Dense(4, "relu", name="enc")(inputs)))
+    x = rng.normal(0, 1, (600, 8)).astype(np.float32)
+    model.compile("adam", "mse")
+    model.fit(x, x, epochs=10, verbose=0)
+    model.save(tmp_path / "ae.keras")
+    y = (np.arange(600) % 5 == 0).astype(np.int64)
+    x[y == 1] *= 3.0  # the anomalies: louder frames
+    np.savez(tmp_path / "frames.npz", x=x, y=y)
+    data = f"npz:{tmp_path / 'frames.npz'}"
+
+    sens = cli("analyze", "sensitivity", tmp_path / "ae.keras", "--data", data, "--method", "exact",
+               "--json", tmp_path / "s.json")  # fmt: skip
+    assert sens.exit_code == 0, sens.output
+    assert "AUC FP32" in sens.stdout and "gain (points)" in sens.stdout and "accuracy" not in sens.stdout
+    planned = cli("analyze", "plan", tmp_path / "ae.keras", "--data", data, "--max-drop", "1",
+                  "--out", tmp_path / "plan.json")  # fmt: skip
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert (plan["metric"], plan["change_unit"], plan["verdict"]["n"]) == ("auc", "points", plan["samples"])
+
+    int8, fp32 = tmp_path / "ae_int8.tflite", tmp_path / "ae_fp32.tflite"
+    for mode, out in (("--int8-only", int8), ("--fp32", fp32)):
+        assert cli("convert", tmp_path / "ae.keras", mode, "--calib", data, "--out", out).exit_code == 0
+    profiled = cli("profile", int8, "--compare", fp32, "--data", tmp_path / "frames.npz", "--runs", "2",
+                   "--json", tmp_path / "p.json")  # fmt: skip
+    assert profiled.exit_code == 0, profiled.output
+    assert "AUC vs reference" in profiled.stdout and "points" in profiled.stdout
+    scores = json.loads((tmp_path / "p.json").read_text())["model"]["scores"]
+    assert scores["metric"] == "auc" and 0.5 < scores["value"] <= 1.0
+    page = tmp_path / "r.html"
+    assert cli("report", tmp_path / "s.json", tmp_path / "plan.json", tmp_path / "p.json", "--out", page).exit_code == 0
+    assert "AUC FP32" in page.read_text() and "points budget" in page.read_text()
+
+    _regressor(tmp_path / "two.keras", heads=2)
+    two = cli("analyze", "sensitivity", tmp_path / "two.keras", "--data", data)
+    assert_one_line_error(two, "2 output(s)", "eval judge each output")

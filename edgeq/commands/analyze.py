@@ -102,6 +102,13 @@ def _rounding_table(rounding) -> str:
     return table(["layer", "nearest", "stochastic", "adaround", "adaround flipped", "adaround vs nearest"], rows)
 
 
+_task_option = click.option(
+    "--task",
+    metavar="KIND|FILE.json",
+    help="What the output is, when inference from its activation and the data is wrong (e.g. reconstruction).",
+)
+
+
 @analyze.command("sensitivity")
 @click.argument("model", type=click.Path())
 @click.option("--data", required=True, help="digits | synthetic:... | npz:PATH | images:DIR")
@@ -114,15 +121,17 @@ def _rounding_table(rounding) -> str:
 @_ranges_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Bar chart PNG of the ranking.")
-def sensitivity(model, data, method, calib_samples, split, granularity, ranges, json_path, plot_path):
+@_task_option
+def sensitivity(model, data, method, calib_samples, split, granularity, ranges, json_path, plot_path, task):
     """Rank the layers of FP32 MODEL by how much INT8 quantization of each one costs."""
     from edgeq.analysis.sensitivity import analyze_sensitivity, save_bar_chart
     from edgeq.artifacts import write_json_atomic
 
     with Heartbeat("analyze sensitivity (layers measured)") as progress:
         report = analyze_sensitivity(
-            model, data, method, calib_samples, split, granularity == "per-tensor", progress=progress, ranges=ranges
-        )
+            model, data, method, calib_samples, split, granularity == "per-tensor", progress=progress, ranges=ranges,
+            task_spec=task,
+        )  # fmt: skip
     row = metric(report.metric)
     click.echo(
         f"{report.data}, {report.samples} samples: {row.label} FP32 {row.show(report.fp32_value)}, "
@@ -212,8 +221,9 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
     "integer-only (convert it with --int8-only --plan PLAN).",
 )
 @_ranges_option
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Size/accuracy frontier PNG.")
-def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fallback, ranges, plot_path):
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Size/task-metric frontier PNG.")
+@_task_option
+def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fallback, ranges, plot_path, task):
     """Start from full INT8 and move the most sensitive layers off int8 (float, or with
     --fallback int16 16-bit activations) until the accuracy drop is within --max-drop.
     The best plan is always saved; use it with `edgeq convert MODEL --int8 --plan PLAN`
@@ -235,6 +245,7 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
             int4=int4,
             ranges=ranges,
             fallback=fallback,
+            task_spec=task,
         )
     moved = "layers at 16-bit" if fallback == "int16" else "layers kept float"
     row = metric(result.metric)
