@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 EDGEQ := $(VENV)/bin/edgeq
 DEMO := runs/demo
 STAMP := $(VENV)/.installed
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-all check bench install clean
 
@@ -28,12 +31,12 @@ demo: $(STAMP)
 # deploy/test-env.sh: a real sshd, qemu-user and the emulated Raspberry Pi 4 for tests/fleet.
 test: $(STAMP)
 	bash deploy/test-env.sh
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 # Everything, the slow tests (bigger models) included.
 test-all: $(STAMP)
 	bash deploy/test-env.sh
-	EDGEQ_SLOW=1 $(PY) -m pytest -q
+	EDGEQ_SLOW=1 $(PYTEST)
 
 check: $(STAMP)
 	$(VENV)/bin/ruff check edgeq tests tools

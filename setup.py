@@ -80,6 +80,8 @@ setup(
         ],
         "dev": [
             "pytest>=8",
+            # make test runs the suite in two workers, a test file per worker (module fixtures built once)
+            "pytest-xdist>=3.5",
             # the report test loads the page in Debian's headless Chromium (deploy/test-env.sh)
             "playwright>=1.40",
             "ruff>=0.6",

@@ -71,6 +71,26 @@ def atomic_path(final: str | os.PathLike, suffix: str | None = None) -> Iterator
                 tmp_path.unlink()
 
 
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (a ``.lock`` file beside it) across processes: two
+    ``edgeq push`` runs, or two test workers, that fill one cache folder take turns. Blocks until
+    the other is done; where the OS has no ``fcntl`` it only orders this process's threads."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the callers' thread locks still hold
+        yield
+        return
+    lock = Path(f"{os.fspath(folder).rstrip(os.sep)}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def fsync_path(path: str | os.PathLike) -> None:
     """fsync a file, or a folder's own entries (POSIX: a rename in it survives a power cut)."""
     path = Path(path)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import edgeq
-from edgeq.artifacts import atomic_path
+from edgeq.artifacts import atomic_path, folder_lock
 from edgeq.errors import DeviceError
 from edgeq.fleet.push import Rollback, _now, device_python_c, read_live, upload_atomically, write_live
 from edgeq.fleet.transport import Transport, confine
@@ -193,8 +193,9 @@ def build_wheel(root: Path | None = None) -> Path:
     Devices bootstrap in parallel threads: one builds, the others wait for it; the cached
     file appears atomically, so no reader ever sees half a wheel.
     """
-    with _BUILD_LOCK:
-        return _build_wheel(root or _source_root())
+    root = root or _source_root()
+    with _BUILD_LOCK, folder_lock(WHEEL_CACHE / "edgeq-src-build"):  # and another process building it
+        return _build_wheel(root)
 
 
 KEEP_SOURCE_BUILDS = 4  # edgeq-src-* folders kept in the wheel cache, most recently used first
@@ -272,7 +273,7 @@ def download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Pa
     platform and version set, not one per device of a fleet); devices in parallel threads
     wait for the one that downloads.
     """
-    with _keyed_lock(_DOWNLOAD_LOCKS, str(dest)):
+    with _keyed_lock(_DOWNLOAD_LOCKS, str(dest)), folder_lock(dest):
         done = dest / _COMPLETE
         if done.is_file():
             found = [dest / name for name in done.read_text(encoding="utf-8").split()]

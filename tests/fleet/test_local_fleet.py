@@ -581,3 +581,25 @@ def test_a_push_that_changes_nothing_is_one_command_and_the_health_check_rides_o
         f"remote commands per device: cold {cold.commands}, no-op {again.commands}, one new model "
         f"{changed.commands}, profile --on {profiled.commands}"
     )
+
+
+def test_two_processes_filling_one_wheel_cache_folder_take_turns(tmp_path):
+    """Two `edgeq push` runs (or test workers) downloading into one cache folder: the second waits
+    for the first's lock instead of reading half-downloaded wheels. Checked without a clock: while
+    this process holds the lock, another process's non-blocking try fails; after it, it succeeds."""
+    from edgeq.artifacts import folder_lock
+
+    folder = tmp_path / "wheels" / "cp311-aarch64"
+    probe = (
+        "import fcntl, sys\n"
+        "with open(sys.argv[1], 'a') as f:\n"
+        "    try:\n"
+        "        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "    except BlockingIOError:\n"
+        "        sys.exit(3)\n"
+    )
+    lock = f"{folder}.lock"
+    with folder_lock(folder):
+        held = subprocess.run([sys.executable, "-c", probe, lock])
+    free = subprocess.run([sys.executable, "-c", probe, lock])
+    assert (held.returncode, free.returncode) == (3, 0)
