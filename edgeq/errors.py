@@ -119,3 +119,11 @@ class RolloutStopped(EdgeqError):
     """More devices failed than --max-fail allows: the devices of later batches were not touched."""
 
     exit_code = 6
+
+
+class ReleaseRefused(TransferError):
+    """A store served a genuine release this device must not apply: older than the one it runs
+    (rollback), its own number with other files (mix-and-match), or past its expiry (freeze).
+    Nothing changed on the device; a timer-driven pull exits 7 so its log says why."""
+
+    exit_code = 7

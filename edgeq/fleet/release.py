@@ -12,6 +12,15 @@ folder layout: the replaced version hard-linked into ``.previous/`` (so ``edgeq 
 place, and ``.edgeq-live.json`` written last. A pull that finds everything live fetches
 one small file; a file that fails its check leaves every live file as it was.
 
+The store chooses what it serves, so a signature alone does not stop it from serving an older
+genuine release (a rollback attack) or the same one forever (a freeze attack; TUF's terms).
+Every release carries a *number* that only grows and an *expiry*: a device records the number
+it applied (``.edgeq-release.json``, written after the files are live) and refuses an older
+number, or its own number with other files; it refuses metadata past its expiry and keeps
+running what it has. Going back is a new release with a higher number that carries the old
+files (``edgeq release --rollback-to``); a refreshed expiry is the same release re-signed
+(``edgeq release --resign``).
+
 Device side: the standard library and ``ssh-keygen`` only (no TensorFlow, no paramiko).
 """
 
@@ -30,25 +39,56 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeq.artifacts import sha256_file
-from edgeq.errors import TransferError, UsageError
+from edgeq.errors import ReleaseRefused, TransferError, UsageError
 
 RELEASE = "release.json"
 SIGNATURE = "release.json.sig"
 NAMESPACE = "edgeq-release"  # ssh-keygen -Y's namespace: a signature for anything else does not verify here
 SIGNER = "edgeq-release"  # the principal devices' allowed_signers names the release key with
 LIVE = ".edgeq-live.json"  # as edgeq.fleet.push writes it
+APPLIED = ".edgeq-release.json"  # the release a device applied last: its number, version and files
+ARCHIVE = ".releases"  # in the store: each release's files under its number, for --rollback-to
+DEFAULT_EXPIRY = "30d"  # a daily timer lives with it; re-sign (edgeq release --resign) before it runs out
 PREVIOUS = ".previous"
 PART = ".part-"
 
 
-def make_release(files: list[str | Path], out: str | Path, version: str, key: str | Path | None = None) -> Path:
+def parse_duration(text: str) -> int:
+    """ "30d", "12h", "90m" -> seconds (at least a minute, at most two years)."""
+    units = {"d": 86400, "h": 3600, "m": 60}
+    raw = str(text).strip().lower()
+    try:
+        seconds = int(raw[:-1]) * units[raw[-1]]
+    except (ValueError, KeyError, IndexError):
+        raise UsageError(f"--expires {text!r}: give a duration such as 30d, 12h or 90m") from None
+    if not 60 <= seconds <= 2 * 365 * 86400:
+        raise UsageError(f"--expires {text!r}: between a minute and two years")
+    return seconds
+
+
+def _store_release(out: Path) -> dict | None:
+    try:
+        record = json.loads((out / RELEASE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def make_release(
+    files: list[str | Path], out: str | Path, version: str, key: str | Path | None = None,
+    number: int | None = None, expires: str = DEFAULT_EXPIRY,
+) -> Path:  # fmt: skip
     """Write a release of ``files`` into ``out`` (each file, then release.json, then its signature).
+
+    ``number``: the release's place in the store's order, higher than every release before it
+    (default: the store's last number plus one). ``expires``: how long devices accept it.
 
     Returns:
         The path of release.json.
 
     Raises:
-        UsageError: a missing file, two files of one name, or a key ssh-keygen cannot sign with.
+        UsageError: a missing file, two files of one name, a number not above the store's, or a
+            key ssh-keygen cannot sign with.
     """
     out = Path(out)
     paths = [Path(f) for f in files]
@@ -58,15 +98,61 @@ def make_release(files: list[str | Path], out: str | Path, version: str, key: st
     names = [p.name for p in paths]
     if len(set(names)) != len(names) or any(n in (RELEASE, SIGNATURE) or n.startswith(".") for n in names):
         raise UsageError(f"release file names must be unique, not hidden and not {RELEASE}: {names}")
+    last = _number(_store_release(out)) or 0
+    number = last + 1 if number is None else int(number)
+    if number <= last:
+        raise UsageError(
+            f"{out}: release number {number} is not above the store's last, {last}; devices would refuse it"
+        )
+    lifetime = parse_duration(expires)
     out.mkdir(parents=True, exist_ok=True)
+    archive = out / ARCHIVE / str(number)
+    archive.mkdir(parents=True, exist_ok=True)
     entries = {}
     for path in paths:
-        shutil.copyfile(path, out / f".{path.name}.tmp")
-        os.replace(out / f".{path.name}.tmp", out / path.name)
+        for folder in (archive, out):  # the archive first: the live URL only ever names archived files
+            shutil.copyfile(path, folder / f".{path.name}.tmp")
+            os.replace(folder / f".{path.name}.tmp", folder / path.name)
         entries[path.name] = {"sha256": sha256_file(out / path.name), "size": path.stat().st_size}
-    record = {"kind": "edgeq.release", "version": version, "created": _now(), "files": entries}
+    record = {"kind": "edgeq.release", "version": version, "number": number, "files": entries}
+    return _write_signed(out, record, key, lifetime, archive)
+
+
+def resign_release(out: str | Path, key: str | Path | None, expires: str = DEFAULT_EXPIRY) -> Path:
+    """The store's current release, the same number and files, with a new expiry (and signature)."""
+    out = Path(out)
+    record = _store_release(out)
+    if record is None or _number(record) is None:
+        raise UsageError(f"{out}: no numbered release to re-sign (edgeq release FILES --out {out} makes one)")
+    for name, entry in record.get("files", {}).items():
+        if not (out / name).is_file() or sha256_file(out / name) != entry.get("sha256"):
+            raise UsageError(f"{out / name}: not the file release {record['number']} names; make a new release")
+    return _write_signed(out, record, key, parse_duration(expires), out / ARCHIVE / str(record["number"]))
+
+
+def rollback_release(out: str | Path, to_version: str, key: str | Path | None, expires: str = DEFAULT_EXPIRY) -> Path:
+    """A new release, numbered above the store's last, carrying the files of the earlier release
+    named ``to_version``: going back stays signed and forward, so devices accept it."""
+    out = Path(out)
+    found = []
+    for folder in (out / ARCHIVE).glob("*"):
+        record = _store_release(folder)
+        if record is not None and str(record.get("version")) == to_version:
+            found.append((int(folder.name) if folder.name.isdigit() else 0, folder, record))
+    if not found:
+        known = sorted({str((_store_release(f) or {}).get("version")) for f in (out / ARCHIVE).glob("*")} - {"None"})
+        raise UsageError(f"{out}: no archived release named {to_version!r} (archived: {', '.join(known) or 'none'})")
+    _, folder, record = max(found, key=lambda f: f[0])
+    files = [folder / name for name in record.get("files", {})]
+    return make_release(files, out, f"{record['version']} (rollback)", key, expires=expires)
+
+
+def _write_signed(out: Path, record: dict, key, lifetime: int, archive: Path) -> Path:
+    now = time.time()
+    record = {**record, "created": _stamp(now), "expires": _stamp(now + lifetime)}
+    text = json.dumps(record, indent=2, sort_keys=True) + "\n"
     tmp = out / f".{RELEASE}.tmp"
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     if key is not None:
         signed = subprocess.run(
             ["ssh-keygen", "-q", "-Y", "sign", "-f", str(key), "-n", NAMESPACE, str(tmp)],
@@ -79,13 +165,33 @@ def make_release(files: list[str | Path], out: str | Path, version: str, key: st
         os.replace(tmp.with_name(tmp.name + ".sig"), out / SIGNATURE)
     elif (out / SIGNATURE).exists():
         (out / SIGNATURE).unlink()  # an older release's signature would not match this one
+    (archive / RELEASE).write_text(text, encoding="utf-8")
     os.replace(tmp, out / RELEASE)
     return out / RELEASE
+
+
+def _number(record: dict | None) -> int | None:
+    value = (record or {}).get("number")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _stamp(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def _seconds(stamp) -> float | None:
+    import calendar
+
+    try:
+        return float(calendar.timegm(time.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
 class PullResult:
     version: str
+    number: int  # the release's place in the store's order (never lower than the last one applied)
     updated: tuple[str, ...]  # files made live by this pull
     unchanged: tuple[str, ...]
     fetched: int  # HTTP requests made (release.json, its signature, each changed file)
@@ -146,11 +252,17 @@ def pull(
         release = json.loads(raw)
         files = release["files"]
         version = str(release.get("version", "?"))
-    except (ValueError, KeyError, TypeError) as exc:
+        if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("sha256"), str) for e in files.values()
+        ):
+            raise TypeError("'files' must map each name to its sha256")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise TransferError(f"{base}{RELEASE}: not an edgeq release ({exc})") from exc
     for name in files:
         if "/" in name or "\\" in name or name.startswith(".") or name in ("", ".."):
             raise TransferError(f"{base}{RELEASE}: {name!r} is not a plain file name")
+    applied = _applied(folder)
+    number = _admitted(release, files, applied, f"{base}{RELEASE}")
     try:
         live = json.loads((folder / LIVE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -192,5 +304,49 @@ def pull(
         tmp = folder / f"{LIVE}{PART}{os.getpid()}"
         tmp.write_text(json.dumps(live, indent=2, sort_keys=True), encoding="utf-8")
         os.replace(tmp, folder / LIVE)
+    record = {
+        "number": number, "version": version, "expires": release.get("expires"),
+        "files": {n: e["sha256"] for n, e in files.items()},
+    }  # fmt: skip
+    if record != {k: applied.get(k) for k in record}:  # after the files: a crash before it only repeats the pull
+        tmp = folder / f"{APPLIED}{PART}{os.getpid()}"
+        tmp.write_text(json.dumps({**record, "applied": _now()}, indent=2, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, folder / APPLIED)
     unchanged = tuple(n for n in files if n not in changed)
-    return PullResult(version, tuple(changed), unchanged, fetched)
+    return PullResult(version, number, tuple(changed), unchanged, fetched)
+
+
+def _applied(folder: Path) -> dict:
+    try:
+        record = json.loads((folder / APPLIED).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _admitted(release: dict, files: dict, applied: dict, where: str) -> int:
+    """The release's number, if this device may apply it; else ReleaseRefused, naming why."""
+    number = _number(release)
+    version = release.get("version", "?")
+    if number is None:
+        raise ReleaseRefused(f"{where}: release {version} has no release number; re-release it with this edgeq")
+    expires = _seconds(release.get("expires"))
+    if expires is None:
+        raise ReleaseRefused(f"{where}: release {version} has no expiry; re-release it with this edgeq")
+    if time.time() > expires:
+        raise ReleaseRefused(
+            f"{where}: release {version} (number {number}) expired at {release['expires']}: the store serves stale "
+            "metadata, or this device's clock is wrong; keeping what is live (re-sign it: edgeq release --resign)"
+        )
+    last = _number(applied)
+    if last is not None and number < last:
+        raise ReleaseRefused(
+            f"{where}: release {version} (number {number}) is older than the applied release {applied.get('version')} "
+            f"(number {last}): refused as a rollback; to go back, publish edgeq release --rollback-to {version}"
+        )
+    if last is not None and number == last and {n: e.get("sha256") for n, e in files.items()} != applied.get("files"):
+        raise ReleaseRefused(
+            f"{where}: release number {number} names other files than the release {applied.get('version')} this "
+            "device applied under that number (files mixed in from another release?): refused"
+        )
+    return number

@@ -116,3 +116,84 @@ def test_a_tampered_release_changes_nothing_live(cli, tmp_path, store, signing):
     assert not list((device / "models").glob(".*.part-*"))
     assert before  # the first pull had made the model live
     assert_one_line_error(cli("pull", url, "--workdir", device), "--allowed-signers")
+
+
+def _state(device: Path) -> tuple[bytes, str]:
+    models = device / "models"
+    return (models / "m.tflite").read_bytes(), (models / ".edgeq-release.json").read_text()
+
+
+def test_a_store_cannot_roll_back_or_freeze_a_device_and_going_back_is_a_new_signed_release(
+    cli, tmp_path, store, signing
+):
+    """TUF's rollback, freeze and mix-and-match attacks by whoever serves the store, each refused in
+    one line with exit 7 and nothing changed on the device; then a newer release, a re-signed one
+    and a signed rollback release applied."""
+    folder, url, _ = store
+    key, allowed = signing
+    models = {}
+    for v in ("1", "2"):
+        models[v] = tmp_path / f"v{v}" / "m.tflite"
+        models[v].parent.mkdir()
+        models[v].write_bytes(INT8.read_bytes() + v.encode())
+    kept = {}  # a copy of each genuine release as the store served it: what an attacker replays
+    for v in ("1", "2"):
+        made = cli("release", models[v], "--out", folder, "--version", v, "--key", key)
+        assert made.exit_code == 0 and f"(number {v})" in made.output, made.output
+        kept[v] = {n: (folder / n).read_bytes() for n in ("release.json", "release.json.sig", "m.tflite")}
+    device = tmp_path / "dev"
+    pulled = cli("pull", url, "--workdir", device, "--allowed-signers", allowed)
+    assert pulled.exit_code == 0 and "release 2 (number 2): updated m.tflite" in pulled.output, pulled.output
+    before = _state(device)
+    assert json.loads(before[1])["number"] == 2
+
+    def serve(files):
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+
+    serve(kept["1"])  # the older, genuinely signed release re-served at the live URL
+    rollback = cli("pull", url, "--workdir", device, "--allowed-signers", allowed)
+    assert rollback.exit_code == 7 and _state(device) == before
+    assert_one_line_error(rollback, "number 1", "older than the applied release 2", "--rollback-to")
+
+    record = json.loads(kept["2"]["release.json"])  # number 2 re-signed by the key holder with release 1's file
+    record["files"]["m.tflite"]["sha256"] = _sha(models["1"])
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "release.json").write_text(json.dumps(record))
+    subprocess.run(["ssh-keygen", "-q", "-Y", "sign", "-f", str(key), "-n", "edgeq-release",
+                    str(mixed / "release.json")], check=True)  # fmt: skip
+    signature = (mixed / "release.json.sig").read_bytes()
+    serve({"release.json": (mixed / "release.json").read_bytes(), "release.json.sig": signature,
+           "m.tflite": kept["1"]["m.tflite"]})  # fmt: skip
+    swapped = cli("pull", url, "--workdir", device, "--allowed-signers", allowed)
+    assert swapped.exit_code == 7 and _state(device) == before
+    assert_one_line_error(swapped, "release number 2 names other files")
+
+    serve(kept["2"])
+    assert cli("release", "--resign", "--out", folder, "--key", key, "--expires", "1m").exit_code == 0
+    stale = json.loads((folder / "release.json").read_text())
+    stale["expires"] = "2020-01-01T00:00:00Z"  # an old expiry, genuinely signed: what a frozen store keeps serving
+    (folder / "release.json").write_text(json.dumps(stale))
+    (folder / "release.json.sig").unlink()
+    subprocess.run(["ssh-keygen", "-q", "-Y", "sign", "-f", str(key), "-n", "edgeq-release",
+                    str(folder / "release.json")], check=True)  # fmt: skip
+    frozen = cli("pull", url, "--workdir", device, "--allowed-signers", allowed)
+    assert frozen.exit_code == 7 and _state(device) == before
+    assert_one_line_error(frozen, "expired at 2020-01-01T00:00:00Z", "--resign")
+
+    resigned = cli("release", "--resign", "--out", folder, "--key", key, "--expires", "30d")
+    assert resigned.exit_code == 0 and "(number 2)" in resigned.output, resigned.output
+    fresh = cli("pull", url, "--workdir", device, "--allowed-signers", allowed)
+    assert fresh.exit_code == 0 and "up to date" in fresh.output, fresh.output  # same files: nothing fetched
+
+    back = cli("release", "--rollback-to", "1", "--out", folder, "--key", key)
+    assert back.exit_code == 0 and "(number 3)" in back.output, back.output
+    applied = cli("pull", url, "--workdir", device, "--allowed-signers", allowed)
+    assert applied.exit_code == 0 and "updated m.tflite" in applied.output, applied.output
+    assert (device / "models" / "m.tflite").read_bytes() == models["1"].read_bytes()
+    assert json.loads(_state(device)[1])["number"] == 3
+    # the store's own order holds too: a number not above its last is refused where it is made
+    assert_one_line_error(
+        cli("release", models["2"], "--out", folder, "--version", "x", "--number", "3", "--key", key), "not above"
+    )
