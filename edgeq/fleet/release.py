@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -75,13 +76,14 @@ def _store_release(out: Path) -> dict | None:
 
 
 def make_release(
-    files: list[str | Path], out: str | Path, version: str, key: str | Path | None = None,
+    files: list[str | Path], out: str | Path, version: str, key: str | Path | list | None = None,
     number: int | None = None, expires: str = DEFAULT_EXPIRY,
 ) -> Path:  # fmt: skip
     """Write a release of ``files`` into ``out`` (each file, then release.json, then its signature).
 
-    ``number``: the release's place in the store's order, higher than every release before it
-    (default: the store's last number plus one). ``expires``: how long devices accept it.
+    ``key``: the SSH key (or keys) that sign it. ``number``: the release's place in the store's order,
+    higher than every release before it (default: the store's last number plus one). ``expires``:
+    how long devices accept it.
 
     Returns:
         The path of release.json.
@@ -147,27 +149,56 @@ def rollback_release(out: str | Path, to_version: str, key: str | Path | None, e
     return make_release(files, out, f"{record['version']} (rollback)", key, expires=expires)
 
 
-def _write_signed(out: Path, record: dict, key, lifetime: int, archive: Path) -> Path:
+def _write_signed(out: Path, record: dict, keys, lifetime: int, archive: Path) -> Path:
     now = time.time()
     record = {**record, "created": _stamp(now), "expires": _stamp(now + lifetime)}
     text = json.dumps(record, indent=2, sort_keys=True) + "\n"
     tmp = out / f".{RELEASE}.tmp"
     tmp.write_text(text, encoding="utf-8")
-    if key is not None:
-        signed = subprocess.run(
-            ["ssh-keygen", "-q", "-Y", "sign", "-f", str(key), "-n", NAMESPACE, str(tmp)],
-            capture_output=True,
-            text=True,
-        )
-        if signed.returncode != 0:
-            tmp.unlink()
-            raise UsageError(f"{key}: ssh-keygen cannot sign with it ({signed.stderr.strip().splitlines()[-1:]})")
-        os.replace(tmp.with_name(tmp.name + ".sig"), out / SIGNATURE)
+    keys = [keys] if isinstance(keys, (str, Path)) else list(keys or [])
+    try:
+        signatures = [_sign(tmp, key) for key in keys]
+    except UsageError:
+        tmp.unlink()
+        raise
+    if signatures:
+        part = out / f".{SIGNATURE}.tmp"
+        part.write_bytes(b"".join(signatures))
+        os.replace(part, out / SIGNATURE)
     elif (out / SIGNATURE).exists():
         (out / SIGNATURE).unlink()  # an older release's signature would not match this one
     (archive / RELEASE).write_text(text, encoding="utf-8")
     os.replace(tmp, out / RELEASE)
     return out / RELEASE
+
+
+def _sign(path: Path, key) -> bytes:
+    """ssh-keygen's armored signature of ``path`` by ``key`` (namespace edgeq-release)."""
+    with tempfile.TemporaryDirectory(prefix="edgeq-sign-") as tmp:
+        copy = Path(tmp) / path.name
+        shutil.copyfile(path, copy)
+        signed = subprocess.run(
+            ["ssh-keygen", "-q", "-Y", "sign", "-f", str(key), "-n", NAMESPACE, str(copy)],
+            capture_output=True,
+            text=True,
+        )
+        if signed.returncode != 0:
+            raise UsageError(f"{key}: ssh-keygen cannot sign with it ({signed.stderr.strip().splitlines()[-1:]})")
+        return copy.with_name(copy.name + ".sig").read_bytes()
+
+
+def cosign(out: str | Path, key: str | Path) -> int:
+    """Add ``key``'s signature to the store's current release.json (a second signer of a k-of-n
+    release signs what the first wrote, from their own machine); returns how many it now has."""
+    out = Path(out)
+    if _store_release(out) is None:
+        raise UsageError(f"{out}: no release to sign (edgeq release FILES --out {out} makes one)")
+    signature = _sign(out / RELEASE, key)
+    existing = (out / SIGNATURE).read_bytes() if (out / SIGNATURE).is_file() else b""
+    part = out / f".{SIGNATURE}.tmp"
+    part.write_bytes(existing + signature)
+    os.replace(part, out / SIGNATURE)
+    return len(_signature_blocks(existing + signature))
 
 
 def _number(record: dict | None) -> int | None:
@@ -209,18 +240,43 @@ def _fetch(url: str, timeout: float) -> bytes:
         raise TransferError(f"{url}: cannot fetch it ({exc})") from exc
 
 
-def _verify(release: bytes, signature: bytes, allowed_signers: Path) -> None:
+_BLOCK = re.compile(rb"-----BEGIN SSH SIGNATURE-----.*?-----END SSH SIGNATURE-----\n?", re.S)
+_SIGNED_BY = re.compile(r"with \S+ key (SHA256:\S+)")
+
+
+def _signature_blocks(data: bytes) -> list[bytes]:
+    return _BLOCK.findall(data)
+
+
+def _verify(release: bytes, signatures: bytes, allowed_signers: Path, threshold: int = 1) -> int:
+    """How many distinct keys of ``allowed_signers`` signed ``release``; TransferError below ``threshold``."""
+    keys: set[str] = set()
+    reasons: list[str] = []
+    blocks = _signature_blocks(signatures) or [signatures]
     with tempfile.TemporaryDirectory(prefix="edgeq-pull-") as tmp:
-        sig = Path(tmp) / SIGNATURE
-        sig.write_bytes(signature)
-        checked = subprocess.run(
-            ["ssh-keygen", "-Y", "verify", "-f", str(allowed_signers), "-I", SIGNER, "-n", NAMESPACE, "-s", str(sig)],
-            input=release,
-            capture_output=True,
-        )
-    if checked.returncode != 0:
-        why = (checked.stderr or checked.stdout).decode(errors="replace").strip().splitlines()[-1:] or ["no reason"]
-        raise TransferError(f"release.json's signature does not verify against {allowed_signers}: {why[0]}")
+        for k, block in enumerate(blocks):
+            sig = Path(tmp) / f"{k}.sig"
+            sig.write_bytes(block)
+            checked = subprocess.run(
+                ["ssh-keygen", "-Y", "verify", "-f", str(allowed_signers), "-I", SIGNER, "-n", NAMESPACE,
+                 "-s", str(sig)],
+                input=release,
+                capture_output=True,
+            )  # fmt: skip
+            said = (checked.stdout + checked.stderr).decode(errors="replace").strip()
+            found = _SIGNED_BY.search(said)
+            if checked.returncode == 0 and found:
+                keys.add(found.group(1))
+            else:
+                reasons += said.splitlines()[-1:] or ["no reason"]
+    if len(keys) >= threshold:
+        return len(keys)
+    if threshold == 1:
+        raise TransferError(f"release.json's signature does not verify against {allowed_signers}: {reasons[0]}")
+    raise TransferError(
+        f"release.json is signed by {len(keys)} key(s) of {allowed_signers}, short of the --threshold {threshold} "
+        f"this device requires ({len(blocks)} signature(s) served); nothing applied"
+    )
 
 
 def pull(
@@ -228,11 +284,13 @@ def pull(
     workdir: str | Path,
     allowed_signers: str | Path | None = None,
     timeout: float = 60.0,
+    threshold: int = 1,
 ) -> PullResult:
     """Make the release at ``url`` live in ``workdir``/models (see the module's docstring).
 
     ``allowed_signers``: release.json must be signed by a key it names (principal
     ``edgeq-release``); None accepts an unsigned release, which only a trusted network should.
+    ``threshold``: how many distinct keys of it must have signed (the device's rule, not the store's).
 
     Raises:
         TransferError: the release cannot be fetched, its signature or a file's sha256 is wrong
@@ -246,7 +304,7 @@ def pull(
     if allowed_signers is not None:
         if not Path(allowed_signers).is_file():
             raise UsageError(f"{allowed_signers}: no such allowed_signers file")
-        _verify(raw, _fetch(urllib.parse.urljoin(base, SIGNATURE), timeout), Path(allowed_signers))
+        _verify(raw, _fetch(urllib.parse.urljoin(base, SIGNATURE), timeout), Path(allowed_signers), threshold)
         fetched += 1
     try:
         release = json.loads(raw)

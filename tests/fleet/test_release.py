@@ -197,3 +197,43 @@ def test_a_store_cannot_roll_back_or_freeze_a_device_and_going_back_is_a_new_sig
     assert_one_line_error(
         cli("release", models["2"], "--out", folder, "--version", "x", "--number", "3", "--key", key), "not above"
     )
+
+
+def test_a_device_requiring_two_of_three_keys_counts_distinct_signers_and_a_removed_line_revokes(cli, tmp_path, store):
+    """k of n: a release signed by one key is one short of --threshold 2 (the same key twice counts
+    once); a second signer's --cosign makes it pass; removing a key's line from allowed_signers
+    revokes it. Each refusal is one line and changes nothing."""
+    folder, url, _ = store
+    keys = []
+    for name in ("alice", "bob", "carol"):
+        key = tmp_path / name
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        keys.append(key)
+    allowed = tmp_path / "allowed_signers"
+    lines = [f"edgeq-release {Path(f'{k}.pub').read_text().strip()}\n" for k in keys]
+    allowed.write_text("".join(lines))
+    model = tmp_path / "m.tflite"
+    model.write_bytes(INT8.read_bytes())
+    device = tmp_path / "dev"
+    pull = ("pull", url, "--workdir", device, "--allowed-signers", allowed, "--threshold", "2")
+
+    made = cli("release", model, "--out", folder, "--version", "1", "--key", keys[0], "--key", keys[0])
+    assert made.exit_code == 0 and "signed by 2 key(s)" in made.output, made.output
+    short = cli(*pull)
+    assert_one_line_error(short, "signed by 1 key(s)", "--threshold 2")
+    assert not (device / "models" / "m.tflite").exists()
+
+    cosigned = cli("release", "--cosign", "--out", folder, "--key", keys[1])
+    assert cosigned.exit_code == 0 and "3 signature(s)" in cosigned.output, cosigned.output
+    ok = cli(*pull)
+    assert ok.exit_code == 0 and "updated m.tflite" in ok.output, ok.output
+
+    allowed.write_text(lines[0] + lines[2])  # bob's key revoked
+    model.write_bytes(INT8.read_bytes() + b"2")
+    assert cli("release", model, "--out", folder, "--version", "2", "--key", keys[0], "--key", keys[1]).exit_code == 0
+    revoked = cli(*pull)
+    assert_one_line_error(revoked, "signed by 1 key(s)")
+    assert (device / "models" / "m.tflite").read_bytes() == INT8.read_bytes()
+    assert json.loads((device / "models" / ".edgeq-release.json").read_text())["number"] == 1
+    assert cli("release", "--cosign", "--out", folder, "--key", keys[2]).exit_code == 0
+    assert cli(*pull).exit_code == 0 and (device / "models" / "m.tflite").read_bytes() == model.read_bytes()
