@@ -1,5 +1,6 @@
-"""A few hundred fuzz cases of tools/fuzz.py: mutated .tflite, .npz and inventory files are read
-or refused with an edgeq error, never a traceback or a crash. 5,000 per kind: tools/bench.py."""
+"""A few hundred fuzz cases of tools/fuzz.py: mutated .tflite, .npz, inventory, task, plan, report
+and release files are read or refused with an edgeq error, never a traceback, a crash or a half-written
+device. Thousands per kind: tools/bench.py."""
 
 import subprocess
 import sys
@@ -14,9 +15,10 @@ import fuzz  # noqa: E402
 
 
 def test_mutated_files_get_an_edgeq_error_never_a_traceback_or_crash():
-    result = fuzz.fuzz(300, seed=1)
-    assert result["cases"] == 300
+    result = fuzz.fuzz(400, seed=1)  # 50 of each kind of file
+    assert result["cases"] == 400
     assert result["crashes"] == [] and result["tracebacks"] == [] and result["multiline_errors"] == [], result
+    assert result["partial_writes"] == [], result  # a refused pull leaves the device as it was
     assert result["reads_accepted"] > 0  # some mutants still load: the readers behind the checks are reached
 
 

@@ -18,6 +18,8 @@ from edgeq.metrics import metric
 
 from .conftest import assert_one_line_error
 
+ROOT = Path(__file__).resolve().parents[1]
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -202,3 +204,17 @@ def test_a_device_that_throttled_fails_the_page(cli, tmp_path, monkeypatch):
     assert context["verdict"]["status"] == "fail" and "pi-hot throttled" in context["verdict"]["headline"]
     (row,) = context["fleet"]
     assert row["device"] == "pi-hot" and row["throttled"] == "THROTTLED" and row["temperature_c"] == "61.2 → 61.2"
+
+
+def test_a_record_not_as_edgeq_writes_it_is_named_in_one_line(cli, tmp_path):
+    """What the fuzzer found: a hand-edited or cut record made the report raise a traceback from
+    deep inside a section; now the page names the file in one line."""
+    record = json.loads((ROOT / "tests" / "data" / "fuzz" / "eval.json").read_text())
+    record["verdicts"][0]["interval95"] = []  # as a hand edit or another tool might leave it
+    broken = tmp_path / "run" / "eval.json"
+    broken.parent.mkdir()
+    broken.write_text(json.dumps(record))
+    shutil.copy(ROOT / "tests" / "data" / "fuzz" / "profile.json", tmp_path / "run" / "profile.json")
+    result = cli("report", tmp_path / "run", "--out", tmp_path / "r.html")
+    assert_one_line_error(result, str(broken), "cannot read this eval record")
+    assert not (tmp_path / "r.html").exists()

@@ -1,5 +1,5 @@
 """The fleet at 50 and 200 devices over SSH: tests/fleet/test_fleet50.py's and test_fleet200.py's
-numbers (EDGEQ_SLOW=1).
+numbers (EDGEQ_SLOW=1); and 1,000 devices pulling a signed release from a static HTTP server.
 
 Each test builds its fleet (an sshd per device on the loopback, venv and site devices, one
 wheelhouse, no package index), checks its behaviour and prints one FLEET50 / FLEET200 line
@@ -121,8 +121,142 @@ def section(n: dict, n200: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pull_bench(devices: int = 1000, threads: int = 32, stagger_s: float = 20.0) -> dict:
+    """``devices`` work folders pull one signed release from a local static HTTP server (the standard
+    library's), started over ``stagger_s`` seconds as a timer's RandomizedDelaySec spreads them, in
+    ``threads`` threads; then all pull again. Counts the server's requests, bytes and peak open
+    connections, and checks that an up-to-date device writes nothing."""
+    import http.server
+    import random
+    import tempfile
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from functools import partial
+
+    from edgeq.fleet.release import make_release, pull
+
+    with tempfile.TemporaryDirectory(prefix="edgeq-pull-bench-") as tmp:
+        tmp = Path(tmp)
+        key = tmp / "key"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        allowed = tmp / "allowed_signers"
+        allowed.write_text(f"edgeq-release {(tmp / 'key.pub').read_text().strip()}\n")
+        model = ROOT / "tests" / "data" / "tiny_int8.tflite"
+        store = tmp / "store"
+        make_release([model, ROOT / "tests" / "data" / "tiny_fp32.tflite"], store, "1", key)
+        stats = {"requests": 0, "bytes": 0, "open": 0, "peak": 0}
+        lock = threading.Lock()
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def handle(self):
+                with lock:
+                    stats["open"] += 1
+                    stats["peak"] = max(stats["peak"], stats["open"])
+                try:
+                    super().handle()
+                finally:
+                    with lock:
+                        stats["open"] -= 1
+
+            def copyfile(self, source, outputfile):
+                data = source.read()
+                outputfile.write(data)
+                with lock:
+                    stats["requests"] += 1
+                    stats["bytes"] += len(data)
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(store)))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        rng = random.Random(0)
+        starts = sorted(rng.uniform(0, stagger_s) for _ in range(devices))
+
+        def one_round() -> tuple[float, list[float]]:
+            t0 = time.perf_counter()
+
+            def device(i: int) -> float:
+                delay = starts[i] - (time.perf_counter() - t0)
+                if delay > 0:
+                    time.sleep(delay)  # the timer's spread, not a wait for anything
+                began = time.perf_counter()
+                pull(url, tmp / "devices" / str(i), allowed)
+                return time.perf_counter() - began
+
+            with ThreadPoolExecutor(threads) as pool:
+                each = list(pool.map(device, range(devices)))
+            return time.perf_counter() - t0, each
+
+        def snapshot() -> dict:
+            root = tmp / "devices"
+            return {str(p): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+        cold_wall, cold_each = one_round()
+        cold = dict(stats)
+        before = snapshot()
+        stats.update(requests=0, bytes=0, peak=0)
+        warm_wall, warm_each = one_round()
+        warm = dict(stats)
+        writes = sum(1 for path, mtime in snapshot().items() if before.get(path) != mtime)
+        server.shutdown()
+        server.server_close()
+    files_bytes = sum(p.stat().st_size for p in (model, ROOT / "tests" / "data" / "tiny_fp32.tflite"))
+    return {
+        "devices": devices, "threads": threads, "stagger_s": stagger_s,
+        "cold_wall_s": round(cold_wall, 1), "warm_wall_s": round(warm_wall, 1),
+        "cold_requests_per_device": cold["requests"] / devices, "warm_requests_per_device": warm["requests"] / devices,
+        "cold_bytes_per_device": round(cold["bytes"] / devices),
+        "warm_bytes_per_device": round(warm["bytes"] / devices),
+        "release_bytes": files_bytes, "cold_peak_connections": cold["peak"], "warm_peak_connections": warm["peak"],
+        "cold_pull_median_ms": round(1000 * sorted(cold_each)[devices // 2], 1),
+        "warm_pull_median_ms": round(1000 * sorted(warm_each)[devices // 2], 1),
+        "warm_writes": writes,
+    }  # fmt: skip
+
+
+def pull_section(n: dict) -> str:
+    return "\n".join([
+        f"### {n['devices']:,} devices pulling a release",
+        "",
+        f"`python tools/bench_fleet.py --pull {n['devices']}`: {n['devices']:,} device work folders on this machine "
+        f"pull one signed release (two .tflite files, {n['release_bytes']:,} bytes) from the standard library's "
+        f"threading HTTP server, each started at a random moment in {n['stagger_s']:.0f} s as a timer's "
+        f"`RandomizedDelaySec` spreads them, {n['threads']} at a time; then all pull again. Each pull is the real "
+        "`edgeq pull` (the signature checked by `ssh-keygen -Y verify`, every file by sha256).",
+        "",
+        "| round | wall | requests per device | bytes per device | server peak connections | one pull (median) |",
+        "|---|---|---|---|---|---|",
+        f"| cold | {n['cold_wall_s']:.0f} s | {n['cold_requests_per_device']:.2f} | {n['cold_bytes_per_device']:,} | "
+        f"{n['cold_peak_connections']} | {n['cold_pull_median_ms']:.0f} ms |",
+        f"| up to date | {n['warm_wall_s']:.0f} s | {n['warm_requests_per_device']:.2f} | "
+        f"{n['warm_bytes_per_device']:,} | {n['warm_peak_connections']} | {n['warm_pull_median_ms']:.0f} ms |",
+        "",
+        f"- An up-to-date device costs exactly release.json and its signature, and writes nothing: "
+        f"{n['warm_writes']} files of {n['devices']:,} devices changed in the second round.",
+    ]) + "\n"  # fmt: skip
+
+
 def run() -> str | None:
+    pulled = pull_section(pull_bench())
     numbers = measure()
     if not numbers:
-        return None
-    return section(numbers, measure("tests/fleet/test_fleet200.py", "FLEET200"))
+        return pulled
+    return section(numbers, measure("tests/fleet/test_fleet200.py", "FLEET200")) + "\n" + pulled
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The fleet benchmarks (BENCHMARKS.md's fleet section).")
+    parser.add_argument("--pull", type=int, metavar="DEVICES", help="only the pull bench, with this many devices")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    if args.pull:
+        result = pull_bench(args.pull)
+        print(json.dumps(result, indent=2))
+        print(pull_section(result))
+    else:
+        print(run())

@@ -1,4 +1,4 @@
-"""Fuzz edgeq's readers of user files: mutated .tflite, .npz and inventory files.
+"""Fuzz edgeq's readers of user files: mutated .tflite, .npz, inventory, JSON and release files.
 
 Each case mutates a valid seed file (bit flips, truncations, 32-bit offset/length fields set
 to edge values, float fields such as quantization scales set to NaN/inf/0/huge, small
@@ -8,7 +8,16 @@ reaches with it:
 - .tflite: ``edgeq inspect``'s reader, ``edgeq profile`` (one run), and eval's loader
   (TFLiteModel plus one prediction);
 - .npz: ``profile --data``'s and training/eval's loaders;
-- inventory (TOML and Ansible YAML): ``edgeq devices``' loader.
+- inventory (TOML and Ansible YAML): ``edgeq devices``' loader;
+- .npz with several arrays (``x_<input>``, ``y_<output>``) and a detector's ground truth
+  (``gt_boxes``, ``gt_classes``): ``profile --data``'s and training/eval's loaders;
+- task files (``--task FILE.json``) and plan files (``--plan``, ``--layer-config``);
+- the records ``edgeq report`` reads (eval, profile, manifest, run, history JSON);
+- ``release.json`` served by a store to ``edgeq pull`` (a real pull, from a file:// store): a
+  refusal must change nothing, and no ``.part-`` file may be left behind (a PARTIAL line).
+
+JSON files get structure-aware mutations half the time (a value replaced by another type or an
+edge value, a key deleted or renamed, a list emptied, a deep nesting), byte mutations otherwise.
 
 A reader may refuse a file only with an EdgeqError (what the CLI prints as one `error:`
 line). Any other exception is a traceback; a worker that dies by a signal is a crash. Cases
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +57,18 @@ INVENTORY_SEEDS = {
         "      ansible_port: 22\n    nuc:\n      ansible_host: 10.0.0.8\n"
     ),
 }
-KINDS = ("tflite", "npz", "inventory")
+FUZZ_DATA = DATA / "fuzz"
+REPORT_SEEDS = ("eval.json", "profile.json", "digits_int8.manifest.json", "run.json", "history.json")
+TASK_SEED = '{"head0": "regression", "head1": "classification"}'
+PLAN_SEED = (
+    '{"kind": "edgeq.plan", "model": "m.keras", "met": true, "ranges": "mse", "fallback": "float", '
+    '"layers": {"conv1": "float", "dense": {"weight_bits": 4}, "re:block_.*": {"activation_bits": 16}}, '
+    '"ranking": ["conv1", "dense"], "metric": "accuracy", "budget": 1.0}'
+)
+PLAN_LAYERS = ["conv1", "block_1", "block_2", "dense"]
+RELEASE_FILE = b"model bytes of release 1"
+KINDS = ("tflite", "npz", "inventory", "npz-multi", "task", "plan", "report", "release")
+EDGE_VALUES = (None, True, -1, 0, 2**63, 1e308, float("nan"), "", "x" * 300, [], {}, [[[[]]]], {"a": {"b": {}}})
 EDGE_INTS = (0, 1, 0xFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFF0)
 EDGE_FLOATS = (np.nan, np.inf, -np.inf, 0.0, -1.0, 1e38, 1e-45)
 
@@ -109,12 +130,88 @@ def mutate_npz(data: bytes, rng: np.random.Generator) -> bytes:
     return out.getvalue()
 
 
+def mutate_json(data: bytes, rng: np.random.Generator) -> bytes:
+    """Half the cases: bytes; the other half: one to three changes to the parsed document."""
+    if rng.integers(0, 2) == 0:
+        return mutate(data, rng)
+    doc = json.loads(data)
+    for _ in range(int(rng.integers(1, 4))):
+        nodes = list(_nodes(doc))
+        parent, key = nodes[int(rng.integers(0, len(nodes)))]
+        if parent is None:
+            doc = EDGE_VALUES[int(rng.integers(0, len(EDGE_VALUES)))]
+            continue
+        action = int(rng.integers(0, 4))
+        if action == 0:  # a value of another type or an edge value
+            parent[key] = EDGE_VALUES[int(rng.integers(0, len(EDGE_VALUES)))]
+        elif action == 1 and isinstance(parent, dict):  # a key deleted
+            del parent[key]
+        elif action == 2 and isinstance(parent, dict):  # a key renamed
+            parent[str(key) + "_"] = parent.pop(key)
+        else:  # a container emptied or a value wrapped in a list
+            value = parent[key]
+            parent[key] = type(value)() if isinstance(value, (dict, list)) else [value]
+    return json.dumps(doc, allow_nan=True).encode()
+
+
+def _nodes(doc, parent=None, key=None):
+    """(parent, key) of every value in ``doc``, the root as (None, None)."""
+    yield parent, key
+    if isinstance(doc, dict):
+        for k, v in list(doc.items()):
+            yield from _nodes(v, doc, k)
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _nodes(v, doc, i)
+
+
+def _multi_npz() -> list[tuple[str, bytes]]:
+    """Seeds: a two-input two-output npz, and a detector's (images, gt_boxes, gt_classes)."""
+    import io
+
+    rng = np.random.default_rng(0)
+    seeds = []
+    for name, arrays in (
+        ("multi.npz", {"x_image": rng.random((8, 8, 8, 1), np.float32), "x_meta": rng.random((8, 3), np.float32),
+                       "y_cls": rng.integers(0, 3, 8), "y_age": rng.random((8, 1), np.float32)}),
+        ("detection.npz", {"x": rng.random((6, 16, 16, 3), np.float32), "gt_boxes": rng.random((6, 4, 4), np.float32),
+                           "gt_classes": rng.integers(-1, 3, (6, 4))}),
+    ):  # fmt: skip
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        seeds.append((name, buffer.getvalue()))
+    return seeds
+
+
+def _release_seed() -> bytes:
+    import hashlib
+
+    return json.dumps({
+        "kind": "edgeq.release", "version": "1", "number": 1, "created": "2026-12-06T00:00:00Z",
+        "expires": "2099-01-01T00:00:00Z",
+        "files": {"m.tflite": {"sha256": hashlib.sha256(RELEASE_FILE).hexdigest(), "size": len(RELEASE_FILE)}},
+    }, indent=2).encode()  # fmt: skip
+
+
 def _seed_files() -> dict[str, list[tuple[str, bytes]]]:
     return {
         "tflite": [(name, (DATA / name).read_bytes()) for name in TFLITE_SEEDS],
         "npz": [(NPZ_SEED, (DATA / NPZ_SEED).read_bytes())],
         "inventory": [(name, text.encode()) for name, text in INVENTORY_SEEDS.items()],
+        "npz-multi": _multi_npz(),
+        "task": [("tasks.json", TASK_SEED.encode())],
+        "plan": [("plan.json", PLAN_SEED.encode())],
+        "report": [(name, (FUZZ_DATA / name).read_bytes()) for name in REPORT_SEEDS],
+        "release": [("release.json", _release_seed())],
     }
+
+
+def _mutated(kind: str, data: bytes, rng: np.random.Generator) -> bytes:
+    if kind in ("npz", "npz-multi"):
+        return mutate_npz(data, rng)
+    if kind in ("task", "plan", "report", "release"):
+        return mutate_json(data, rng)
+    return mutate(data, rng)
 
 
 def _targets(kind: str, path: Path):
@@ -144,9 +241,62 @@ def _targets(kind: str, path: Path):
             ("profile --data", lambda: profile_npz(path, model_input)),
             ("train/eval data", lambda: training_npz(path)),
         ]
+    if kind == "npz-multi":
+        from edgeq.data import load_npz as training_npz
+        from edgeq.runtime.profile import load_npz as profile_npz
+
+        def profile_reader():
+            from edgeq.runtime.interpreter import TFLiteModel
+
+            profile_npz(path, TFLiteModel(DATA / "tiny_int8.tflite").input)
+
+        return [("profile --data", profile_reader), ("train/eval data", lambda: training_npz(path))]
+    if kind == "task":
+        from edgeq.tasks import load_task_spec
+
+        return [("--task FILE", lambda: load_task_spec(str(path), ["head0", "head1"]))]
+    if kind == "plan":
+        from edgeq.training.layer_config import LayerConfig, LayerPrecision
+
+        return [("--plan / --layer-config", lambda: LayerConfig.load(path).resolve(PLAN_LAYERS, LayerPrecision()))]
+    if kind == "report":
+
+        def report():
+            from edgeq.reporting import collect
+            from edgeq.reporting.build import render
+
+            render(collect([path.parent]))
+
+        return [("report", report)]
+    if kind == "release":
+        return [("pull", lambda: _pull(path))]
     from edgeq.fleet.inventory import load_inventory
 
     return [("devices", lambda: load_inventory(path))]
+
+
+def _pull(release: Path) -> None:
+    """``edgeq pull`` of a store (a file:// URL) serving ``release`` beside the file it names;
+    raises PartialWrite when the device is left with a part file or a half-applied model."""
+    from edgeq.fleet.release import pull
+
+    store = release.parent
+    (store / "m.tflite").write_bytes(RELEASE_FILE)
+    device = store / "device"
+    models = device / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (models / "m.tflite").write_bytes(b"what the device ran before")
+    try:
+        pull(store.as_uri() + "/", device, None, timeout=5)
+    finally:
+        left = [p.name for p in models.iterdir() if ".part-" in p.name]
+        live = (models / "m.tflite").read_bytes()
+        if left or live not in (RELEASE_FILE, b"what the device ran before"):
+            raise PartialWrite(f"left {left}, live {live[:40]!r}")
+
+
+class PartialWrite(Exception):
+    """A refused or failed pull left something half-written on the device."""
 
 
 def worker(seed: int, start: int, end: int, kinds: tuple[str, ...]) -> None:
@@ -163,8 +313,10 @@ def worker(seed: int, start: int, end: int, kinds: tuple[str, ...]) -> None:
             rng = np.random.default_rng([seed, i])
             kind = kinds[i % len(kinds)]
             name, data = seeds[kind][int(rng.integers(0, len(seeds[kind])))]
-            path = Path(tmp) / f"case{i}{Path(name).suffix}"
-            path.write_bytes(mutate_npz(data, rng) if kind == "npz" else mutate(data, rng))
+            folder = Path(tmp) / f"case{i}"
+            folder.mkdir()
+            path = folder / (name if kind in ("report", "release") else f"case{i}{Path(name).suffix}")
+            path.write_bytes(_mutated(kind, data, rng))
             print(f"CASE {i} {kind} {name}", flush=True)
             for target, run in _targets(kind, path):
                 try:
@@ -173,6 +325,8 @@ def worker(seed: int, start: int, end: int, kinds: tuple[str, ...]) -> None:
                 except EdgeqError as exc:
                     if "\n" in str(exc).strip():
                         print(f"MULTILINE {i} {target} {str(exc)[:200]!r}", flush=True)
+                except PartialWrite as exc:
+                    print(f"PARTIAL {i} {target} {exc}", flush=True)
                 except Exception as exc:  # noqa: BLE001 - what the fuzzer is looking for
                     where = traceback.extract_tb(exc.__traceback__)[-1]
                     print(
@@ -180,14 +334,14 @@ def worker(seed: int, start: int, end: int, kinds: tuple[str, ...]) -> None:
                         f"at {Path(where.filename).name}:{where.lineno}",
                         flush=True,
                     )
-            path.unlink()
+            shutil.rmtree(folder)
     print("DONE", flush=True)
 
 
 def fuzz(cases: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, per_worker: int = 500) -> dict:
     """Run ``cases`` cases in worker subprocesses; count crashes (signal deaths) and tracebacks."""
     started = time.perf_counter()
-    crashes, tracebacks, multiline, done, read = [], [], [], 0, 0
+    crashes, tracebacks, multiline, partial, done, read = [], [], [], [], 0, 0
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
     next_case = 0
     while next_case < cases:
@@ -204,6 +358,8 @@ def fuzz(cases: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, per_worker: 
                 tracebacks.append(line)
             elif line.startswith("MULTILINE "):
                 multiline.append(line)
+            elif line.startswith("PARTIAL "):
+                partial.append(line)
             elif line.startswith("READ "):
                 read += 1
         if proc.returncode == 0 and proc.stdout.rstrip().endswith("DONE"):
@@ -220,37 +376,46 @@ def fuzz(cases: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, per_worker: 
         "crashes": crashes,
         "tracebacks": tracebacks,
         "multiline_errors": multiline,
+        "partial_writes": partial,
         "reads_accepted": read,  # reader calls that took the mutated file (the rest refused it)
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
 def run() -> str:
-    """The BENCHMARKS.md section: 5,000 cases per kind of file."""
+    """The BENCHMARKS.md section: 5,000 cases per kind of file (1,000 for the slower JSON and pull kinds)."""
     lines = [
         "## Fuzzing the readers of user files",
         "",
-        "`python tools/fuzz.py --cases N`: mutated copies of valid files (bit flips, truncations, 32-bit "
+        "`python tools/fuzz.py --cases N --kinds K`: mutated copies of valid files (bit flips, truncations, 32-bit "
         "offset/length fields and float fields such as quantization scales set to edge values, op-code bytes, "
-        "chunks duplicated or deleted), each read by every reader a command reaches with it, in worker "
-        "subprocesses. A refusal must be an edgeq error (one `error:` line); anything else is a traceback, a "
-        "signal death a crash.",
+        "chunks duplicated or deleted; for JSON, half the cases change the parsed document instead: a value of "
+        "another type or an edge value, a key deleted or renamed, a container emptied), each read by every reader "
+        "a command reaches with it, in worker subprocesses. A refusal must be an edgeq error (one `error:` line); "
+        "anything else is a traceback, a signal death a crash; a pull that leaves a part file or a half-applied "
+        "model is a partial write. Seed 0.",
         "",
-        "| files | readers | cases | crashes | tracebacks | multi-line errors | reads that took the file | seconds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| files | readers | cases | crashes | tracebacks | multi-line errors | partial writes | reads that took the "
+        "file | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     readers = {
         "tflite": "inspect, profile, eval's loader",
         "npz": "profile --data, train/eval data",
         "inventory": "devices (TOML, Ansible YAML)",
+        "npz-multi": "profile --data, train/eval data (x_/y_ arrays, gt_boxes/gt_classes)",
+        "task": "--task FILE.json",
+        "plan": "--plan / --layer-config",
+        "report": "report (eval, profile, manifest, run, history JSON)",
+        "release": "pull (release.json from a store)",
     }
     for kind in KINDS:
-        r = fuzz(5000, seed=0, kinds=(kind,))
+        r = fuzz(5000 if kind in ("tflite", "npz", "inventory") else 1000, seed=0, kinds=(kind,))
         lines.append(
-            f"| .{kind} | {readers[kind]} | {r['cases']} | {len(r['crashes'])} | {len(r['tracebacks'])} | "
-            f"{len(r['multiline_errors'])} | {r['reads_accepted']} | {r['seconds']:.0f} |"
+            f"| {kind} | {readers[kind]} | {r['cases']} | {len(r['crashes'])} | {len(r['tracebacks'])} | "
+            f"{len(r['multiline_errors'])} | {len(r['partial_writes'])} | {r['reads_accepted']} | {r['seconds']:.0f} |"
         )
-        for line in (r["crashes"] + r["tracebacks"])[:5]:
+        for line in (r["crashes"] + r["tracebacks"] + r["partial_writes"])[:5]:
             lines.append(f"\n    {line}")
     return "\n".join(lines) + "\n"
 

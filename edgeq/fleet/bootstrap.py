@@ -194,7 +194,7 @@ def build_wheel(root: Path | None = None) -> Path:
     file appears atomically, so no reader ever sees half a wheel.
     """
     root = root or _source_root()
-    with _BUILD_LOCK, folder_lock(WHEEL_CACHE / "edgeq-src-build"):  # and another process building it
+    with _BUILD_LOCK, folder_lock(WHEEL_CACHE / ".build"):  # and another process building it
         return _build_wheel(root)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import edgeq.reporting.figures as figures
 from edgeq import __version__
 from edgeq.artifacts import atomic_path
-from edgeq.errors import MissingExtraError
+from edgeq.errors import DataError, MissingExtraError
 from edgeq.metrics import metric
 from edgeq.reporting.sources import Sources, collect
 from edgeq.verdicts import Verdict
@@ -594,11 +594,31 @@ def _verdict(checks: list[Check]) -> dict:
 
 
 def render(sources: Sources, title: str | None = None) -> tuple[str, dict]:
-    """The page's HTML and the context it was made from."""
+    """The page's HTML and the context it was made from.
+
+    A record edgeq did not write as it is (edited by hand, cut short, from a newer edgeq) is named
+    in one DataError: when the page cannot be made, each document is tried alone to find it.
+    """
     try:
         import jinja2
     except ImportError as exc:  # pragma: no cover - the report extra brings it
         raise MissingExtraError('edgeq report needs Jinja2: pip install "edgeq[report]"') from exc
+    unreadable = (KeyError, TypeError, ValueError, AttributeError, IndexError, jinja2.TemplateError)
+    try:
+        return _render(sources, title, jinja2)
+    except unreadable:
+        for doc in sources.documents:
+            try:
+                _render(Sources([doc], []), title, jinja2)
+            except unreadable as own:
+                raise DataError(
+                    f"{doc.path}: edgeq report cannot read this {doc.kind} record ({type(own).__name__}: "
+                    f"{str(own)[:120]}); it is not as edgeq writes it: write it again with the command that made it"
+                ) from own
+        raise  # no one document is to blame: a fault of the report itself
+
+
+def _render(sources: Sources, title: str | None, jinja2) -> tuple[str, dict]:
     models, model_checks = _models(sources)
     plans, plan_checks = _plans(sources)
     fleet, fleet_checks = _fleet(sources)

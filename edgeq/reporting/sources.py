@@ -58,7 +58,7 @@ def kind_of(data: Any) -> str | None:
     """The report's name for a parsed JSON document, or None when it is not edgeq's."""
     if not isinstance(data, dict):
         return None
-    if data.get("kind") in KINDS:
+    if isinstance(data.get("kind"), str) and data["kind"] in KINDS:
         return KINDS[data["kind"]]
     schema = str(data.get("schema", "")).split("/")[0]
     if schema in SCHEMAS:

@@ -50,10 +50,10 @@ class LayerConfig:
         path = Path(path)
         if not path.is_file():
             raise UsageError(f"{path}: no such layer-config file")
-        text = path.read_text()
         try:
+            text = path.read_text(encoding="utf-8")
             raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as exc:
+        except (ValueError, tomllib.TOMLDecodeError) as exc:  # UnicodeDecodeError is a ValueError
             raise UsageError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({exc})") from exc
         layers = raw.get("layers") if isinstance(raw, dict) else None
         if not isinstance(layers, dict):
