@@ -445,7 +445,10 @@ def _make(
     """
     if size(x) == 0:
         raise DataError(f"data {source!r} is empty: it has no samples")
-    y = {k: _targets(v, source) for k, v in y.items()} if isinstance(y, dict) else _targets(y, source)
+    if isinstance(y, dict):  # a detector's gt_classes are padded with -1 per image, never class ids of samples
+        y = {k: np.asarray(v, np.int64) if k == "gt_classes" else _targets(v, source) for k, v in y.items()}
+    else:
+        y = _targets(y, source)
     for part in _parts(y):
         if len(part) != size(x):
             raise DataError(f"data {source!r}: {size(x)} inputs but {len(part)} labels")
@@ -937,6 +940,12 @@ TFRECORD_LABEL = "image/class/label"
 TFRECORD_TARGET = "image/target"  # a float (list) target: regression, instead of a class label
 
 
+def _first_line(exc: Exception) -> str:
+    """The first line of a TensorFlow error, without its function-node prefix."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", text)[:200]
+
+
 def _tfrecord_files(pattern: str) -> list[str]:
     import glob
 
@@ -992,10 +1001,10 @@ def load_tfrecord(
                         f"{TFRECORD_TARGET!r} (float targets)"
                     )
                 labels.append(label if label >= 0 else target.astype(np.float32))
-        except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as exc:
+        except (tf.errors.OpError, UnicodeDecodeError) as exc:  # TF's message itself may not decode
             raise DataError(
                 f"{file}: not a TFRecord of tf.train.Example with {TFRECORD_IMAGE!r} (bytes) and "
-                f"{TFRECORD_LABEL!r} (int64): {str(exc).splitlines()[0]}"
+                f"{TFRECORD_LABEL!r} (int64): {_first_line(exc)}"
             ) from exc
     kinds = {isinstance(label, int) for label in labels}
     if len(kinds) > 1:
@@ -1057,15 +1066,33 @@ def load_detection_tfrecord(
     features |= {key: tf.io.VarLenFeature(tf.float32) for key in OD_BOX}
     images, boxes, classes = [], [], []
     for file in _tfrecord_files(pattern):
-        for index, record in enumerate(tf.data.TFRecordDataset(file)):
-            parsed = tf.io.parse_single_example(record, features)
-            corners = np.stack([parsed[key].values.numpy() for key in OD_BOX], axis=-1)
-            labels = parsed[OD_LABEL].values.numpy().astype(np.int64) - 1
-            if len(labels) != len(corners) or (len(labels) and labels.min() < 0):
-                raise DataError(f"{file}: record {index} has {len(corners)} boxes but {len(labels)} labels >= 1")
-            images.append(decode_image(parsed[TFRECORD_IMAGE].numpy(), image_size, channels, f"{file}#{index}"))
-            boxes.append(corners)
-            classes.append(labels)
+        try:
+            for index, record in enumerate(tf.data.TFRecordDataset(file)):
+                parsed = tf.io.parse_single_example(record, features)
+                sides = [parsed[key].values.numpy() for key in OD_BOX]
+                labels = parsed[OD_LABEL].values.numpy().astype(np.int64) - 1
+                if len({len(side) for side in sides}) > 1 or len(labels) != len(sides[0]):
+                    raise DataError(
+                        f"{file}: record {index} has box corner lists of lengths {[len(v) for v in sides]} and "
+                        f"{len(labels)} labels: each box needs ymin, xmin, ymax, xmax and one label"
+                    )
+                if len(labels) and labels.min() < 0:
+                    raise DataError(
+                        f"{file}: record {index}: {OD_LABEL} counts classes from 1, found {labels.min() + 1}"
+                    )
+                corners = np.stack(sides, axis=-1)
+                if corners.size and not (np.isfinite(corners).all() and -0.5 <= corners.min() <= corners.max() <= 1.5):
+                    raise DataError(
+                        f"{file}: record {index} has box corners from {corners.min():g} to {corners.max():g}: the "
+                        "Object Detection API's boxes are normalised to [0, 1]"
+                    )
+                images.append(decode_image(parsed[TFRECORD_IMAGE].numpy(), image_size, channels, f"{file}#{index}"))
+                boxes.append(corners)
+                classes.append(labels)
+        except (tf.errors.OpError, UnicodeDecodeError) as exc:
+            raise DataError(
+                f"{file}: not a TFRecord of the Object Detection API's tf.train.Example: {_first_line(exc)}"
+            ) from exc
     if not images:
         raise DataError(f"{source} is empty: it has no records")
     return _detection_dataset(source, images, boxes, classes, _image_normalization(normalization), ())
@@ -1092,28 +1119,46 @@ def load_coco(
         coco = json.loads(path.read_text(encoding="utf-8"))
         categories = sorted(coco["categories"], key=lambda c: c["id"])
         entries, annotations = coco["images"], coco.get("annotations", [])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        index = {c["id"]: k for k, c in enumerate(categories)}
+        per_image: dict = {e["id"]: ([], []) for e in entries}
+        for a in annotations:
+            if a.get("iscrowd") or a["image_id"] not in per_image:
+                continue
+            x, y, w, h = (float(v) for v in a["bbox"])
+            if not all(np.isfinite([x, y, w, h])) or w < 0 or h < 0:
+                raise ValueError(f"annotation {a.get('id')}: bbox {a['bbox']} is not [x, y, w, h] with w, h >= 0")
+            if a["category_id"] not in index:
+                raise ValueError(f"annotation {a.get('id')}: category_id {a['category_id']!r} is not a category")
+            per_image[a["image_id"]][0].append([x, y, w, h])
+            per_image[a["image_id"]][1].append(index[a["category_id"]])
+        sizes = []
+        for e in entries:
+            w, h = float(e["width"]), float(e["height"])
+            if not (np.isfinite([w, h]).all() and w > 0 and h > 0):
+                raise ValueError(f"image {e['id']}: width {e['width']!r} and height {e['height']!r} must be > 0")
+            name = e["file_name"]
+            if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"image {e['id']}: file_name {name!r} is not a file under the image folder")
+            sizes.append((folder / name, w, h))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise DataError(
-            f"{path}: not a COCO annotation file ({exc}); it needs images, annotations, categories"
+            f"{path}: not a COCO annotation file ({type(exc).__name__}: {exc}); it needs images (id, file_name, "
+            "width, height), annotations (image_id, category_id, bbox [x, y, w, h]) and categories (id, name)"
         ) from exc
-    index = {c["id"]: k for k, c in enumerate(categories)}
-    per_image: dict = {e["id"]: ([], []) for e in entries}
-    for a in annotations:
-        if a.get("iscrowd") or a["image_id"] not in per_image:
-            continue
-        per_image[a["image_id"]][0].append(a["bbox"])
-        per_image[a["image_id"]][1].append(index[a["category_id"]])
     images, boxes, classes = [], [], []
-    for e in entries:
-        file = folder / e["file_name"]
-        if not file.is_file():
-            raise DataError(f"{file}: an image {path.name} lists is missing; give its folder as coco:{path}:DIR")
-        w, h = float(e["width"]), float(e["height"])
+    for e, (file, w, h) in zip(entries, sizes):
+        try:
+            encoded = file.read_bytes()
+        except OSError as exc:
+            raise DataError(
+                f"{str(file)[:200]}: an image {path.name} lists cannot be read ({exc.strerror}); give its folder as "
+                f"coco:{path}:DIR"
+            ) from exc
         xywh = np.asarray(per_image[e["id"]][0], np.float32).reshape(-1, 4)
         boxes.append(np.stack([xywh[:, 1] / h, xywh[:, 0] / w, (xywh[:, 1] + xywh[:, 3]) / h,
                                (xywh[:, 0] + xywh[:, 2]) / w], axis=-1))  # fmt: skip
         classes.append(np.asarray(per_image[e["id"]][1], np.int64))
-        images.append(decode_image(file.read_bytes(), image_size, channels, str(file)))
+        images.append(decode_image(encoded, image_size, channels, str(file)))
     if not images:
         raise DataError(f"{path}: it lists no images")
     names = tuple(str(c.get("name", c["id"])) for c in categories)

@@ -4,6 +4,7 @@ from training to an integer-only model judged by mAP, and the detection data lay
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from edgeq.detection import (
     encode_centre,
     mean_average_precision,
 )
+from edgeq.errors import DataError
 from tests.conftest import assert_one_line_error
 
 
@@ -255,3 +257,25 @@ def test_resampled_map50_is_pycocotools_map50_on_the_images_as_given():
     assert resampled(drawn) == pytest.approx(
         mean_average_precision(doubled, gt_boxes[drawn], gt_classes[drawn], (64, 64), 2)["map50"], abs=1e-9
     )
+
+
+def test_coco_images_without_objects_load_and_broken_entries_are_named(tmp_path):
+    """What the fuzzer found first: a COCO set whose images hold at most one object each, one of them
+    none (only a crowd box), was refused as 'labels must be class indices >= 0' (its padded
+    gt_classes were taken for class ids); and a broken entry raised a KeyError from the loader."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz
+
+    (tmp_path / "ann.json").write_bytes(fuzz._coco_seed())
+    for i in range(3):
+        (tmp_path / f"{i}.png").write_bytes(fuzz._png(i))
+    d = load_dataset(f"coco:{tmp_path / 'ann.json'}", input_shape=(16, 16, 3))
+    rows = np.concatenate([d.split(s)[1]["gt_classes"] for s in ("train", "val", "test")])
+    assert sorted(rows[:, 0].tolist()) == [-1, 0, 1] and d.class_names == ("cat", "dog")
+    record = json.loads(fuzz._coco_seed())
+    del record["annotations"][0]["bbox"]
+    (tmp_path / "ann.json").write_text(json.dumps(record))
+    with pytest.raises(DataError, match="not a COCO annotation file.*bbox"):
+        load_dataset(f"coco:{tmp_path / 'ann.json'}", input_shape=(16, 16, 3))

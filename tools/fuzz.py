@@ -13,6 +13,8 @@ reaches with it:
   (``gt_boxes``, ``gt_classes``): ``profile --data``'s and training/eval's loaders;
 - task files (``--task FILE.json``) and plan files (``--plan``, ``--layer-config``);
 - the records ``edgeq report`` reads (eval, profile, manifest, run, history JSON);
+- COCO annotation JSON (beside its images) and TF Object Detection API TFRecords: the data
+  loader a detector's ``--data coco:`` / ``tfrecord:`` reaches;
 - ``release.json`` served by a store to ``edgeq pull`` (a real pull, from a file:// store): a
   refusal must change nothing, and no ``.part-`` file may be left behind (a PARTIAL line).
 
@@ -67,7 +69,7 @@ PLAN_SEED = (
 )
 PLAN_LAYERS = ["conv1", "block_1", "block_2", "dense"]
 RELEASE_FILE = b"model bytes of release 1"
-KINDS = ("tflite", "npz", "inventory", "npz-multi", "task", "plan", "report", "release")
+KINDS = ("tflite", "npz", "inventory", "npz-multi", "task", "plan", "report", "release", "coco", "tfrecord")
 EDGE_VALUES = (None, True, -1, 0, 2**63, 1e308, float("nan"), "", "x" * 300, [], {}, [[[[]]]], {"a": {"b": {}}})
 EDGE_INTS = (0, 1, 0xFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFF0)
 EDGE_FLOATS = (np.nan, np.inf, -np.inf, 0.0, -1.0, 1e38, 1e-45)
@@ -193,8 +195,98 @@ def _release_seed() -> bytes:
     }, indent=2).encode()  # fmt: skip
 
 
+def _png(seed: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (16, 16, 3)).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _coco_seed() -> bytes:
+    images = [{"id": 10 + i, "file_name": f"{i}.png", "width": 16, "height": 16} for i in range(3)]
+    annotations = [
+        {"id": 1, "image_id": 10, "category_id": 7, "bbox": [1.0, 2.0, 8.0, 6.0], "iscrowd": 0, "area": 48.0},
+        {"id": 2, "image_id": 11, "category_id": 8, "bbox": [0.0, 0.0, 16.0, 16.0], "iscrowd": 0, "area": 256.0},
+        {"id": 3, "image_id": 12, "category_id": 7, "bbox": [4.0, 4.0, 2.0, 2.0], "iscrowd": 1, "area": 4.0},
+    ]
+    categories = [{"id": 7, "name": "cat"}, {"id": 8, "name": "dog"}]
+    return json.dumps({"images": images, "annotations": annotations, "categories": categories}).encode()
+
+
+def _example(tf, seed: int) -> bytes:
+    feature = {
+        "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[_png(seed)])),
+        "image/object/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=[1, 2])),
+    }
+    for k, key in enumerate(("ymin", "xmin", "ymax", "xmax")):
+        values = [0.1 + 0.1 * k, 0.2 + 0.1 * k]
+        feature[f"image/object/bbox/{key}"] = tf.train.Feature(float_list=tf.train.FloatList(value=values))
+    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+
+def _framed(records: list[bytes]) -> bytes:
+    """TFRecord framing (length, its CRC, data, its CRC) written by TensorFlow's own writer."""
+    from edgeq.compat import tf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "r.tfrecord"
+        with tf.io.TFRecordWriter(str(path)) as writer:
+            for record in records:
+                writer.write(record)
+        return path.read_bytes()
+
+
+def _tfrecord_seed() -> bytes:
+    from edgeq.compat import tf
+
+    return _framed([_example(tf, i) for i in range(3)])
+
+
+def mutate_tfrecord(data: bytes, rng: np.random.Generator) -> bytes:
+    """Half the cases: the file's bytes (its CRCs then refuse most); the other half: one record's
+    tf.train.Example bytes mutated and framed again with valid CRCs, so the parser gets them."""
+    if rng.integers(0, 2) == 0:
+        return mutate(data, rng)
+    from edgeq.compat import tf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "r.tfrecord"
+        path.write_bytes(data)
+        records = [r.numpy() for r in tf.data.TFRecordDataset(str(path))]
+    i = int(rng.integers(0, len(records)))
+    if rng.integers(0, 2) == 0:
+        records[i] = mutate(records[i], rng)
+    else:  # a feature of the parsed Example: dropped, emptied, given an extra or an edge value
+        example = tf.train.Example.FromString(records[i])
+        features = example.features.feature
+        key = sorted(features)[int(rng.integers(0, len(features)))]
+        kind = features[key].WhichOneof("kind")
+        values = getattr(features[key], kind).value
+        action = int(rng.integers(0, 4))
+        if action == 0:
+            del features[key]
+        elif action == 1:
+            del values[:]
+        elif kind == "bytes_list":
+            values.append(b"\x89PNG not an image" if action == 2 else b"")
+        elif not len(values):
+            del features[key]
+        elif kind == "int64_list":  # one value replaced: the lists keep their lengths
+            values[int(rng.integers(0, len(values)))] = [0, -1, 2**62, 1000][int(rng.integers(0, 4))]
+        else:
+            values[int(rng.integers(0, len(values)))] = float([np.nan, np.inf, -1.0, 1e30][int(rng.integers(0, 4))])
+        records[i] = example.SerializeToString()
+    return _framed(records)
+
+
 def _seed_files() -> dict[str, list[tuple[str, bytes]]]:
     return {
+        "coco": [("ann.json", _coco_seed())],
+        "tfrecord": [("od.tfrecord", _tfrecord_seed())],
         "tflite": [(name, (DATA / name).read_bytes()) for name in TFLITE_SEEDS],
         "npz": [(NPZ_SEED, (DATA / NPZ_SEED).read_bytes())],
         "inventory": [(name, text.encode()) for name, text in INVENTORY_SEEDS.items()],
@@ -209,8 +301,10 @@ def _seed_files() -> dict[str, list[tuple[str, bytes]]]:
 def _mutated(kind: str, data: bytes, rng: np.random.Generator) -> bytes:
     if kind in ("npz", "npz-multi"):
         return mutate_npz(data, rng)
-    if kind in ("task", "plan", "report", "release"):
+    if kind in ("task", "plan", "report", "release", "coco"):
         return mutate_json(data, rng)
+    if kind == "tfrecord":
+        return mutate_tfrecord(data, rng)
     return mutate(data, rng)
 
 
@@ -270,6 +364,13 @@ def _targets(kind: str, path: Path):
         return [("report", report)]
     if kind == "release":
         return [("pull", lambda: _pull(path))]
+    if kind in ("coco", "tfrecord"):
+        from edgeq.data import load_dataset
+
+        if kind == "coco":
+            for i in range(3):
+                (path.parent / f"{i}.png").write_bytes(_png(i))
+        return [("detection data", lambda: load_dataset(f"{kind}:{path}", input_shape=(16, 16, 3)))]
     from edgeq.fleet.inventory import load_inventory
 
     return [("devices", lambda: load_inventory(path))]
@@ -315,7 +416,7 @@ def worker(seed: int, start: int, end: int, kinds: tuple[str, ...]) -> None:
             name, data = seeds[kind][int(rng.integers(0, len(seeds[kind])))]
             folder = Path(tmp) / f"case{i}"
             folder.mkdir()
-            path = folder / (name if kind in ("report", "release") else f"case{i}{Path(name).suffix}")
+            path = folder / (name if kind in ("report", "release", "coco") else f"case{i}{Path(name).suffix}")
             path.write_bytes(_mutated(kind, data, rng))
             print(f"CASE {i} {kind} {name}", flush=True)
             for target, run in _targets(kind, path):
@@ -408,6 +509,8 @@ def run() -> str:
         "plan": "--plan / --layer-config",
         "report": "report (eval, profile, manifest, run, history JSON)",
         "release": "pull (release.json from a store)",
+        "coco": "coco: detection data (annotations beside 3 images)",
+        "tfrecord": "tfrecord: detection data (TF Object Detection API layout)",
     }
     for kind in KINDS:
         r = fuzz(5000 if kind in ("tflite", "npz", "inventory") else 1000, seed=0, kinds=(kind,))
