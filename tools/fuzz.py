@@ -283,19 +283,22 @@ def mutate_tfrecord(data: bytes, rng: np.random.Generator) -> bytes:
     return _framed(records)
 
 
-def _seed_files() -> dict[str, list[tuple[str, bytes]]]:
-    return {
-        "coco": [("ann.json", _coco_seed())],
-        "tfrecord": [("od.tfrecord", _tfrecord_seed())],
-        "tflite": [(name, (DATA / name).read_bytes()) for name in TFLITE_SEEDS],
-        "npz": [(NPZ_SEED, (DATA / NPZ_SEED).read_bytes())],
-        "inventory": [(name, text.encode()) for name, text in INVENTORY_SEEDS.items()],
-        "npz-multi": _multi_npz(),
-        "task": [("tasks.json", TASK_SEED.encode())],
-        "plan": [("plan.json", PLAN_SEED.encode())],
-        "report": [(name, (FUZZ_DATA / name).read_bytes()) for name in REPORT_SEEDS],
-        "release": [("release.json", _release_seed())],
+def _seed_files(kinds: tuple[str, ...] = KINDS) -> dict[str, list[tuple[str, bytes]]]:
+    """The valid files each kind's cases mutate; made only for ``kinds`` (the TFRecord seed needs
+    TensorFlow, which a worker of the other kinds should not import)."""
+    makers = {
+        "tflite": lambda: [(name, (DATA / name).read_bytes()) for name in TFLITE_SEEDS],
+        "npz": lambda: [(NPZ_SEED, (DATA / NPZ_SEED).read_bytes())],
+        "inventory": lambda: [(name, text.encode()) for name, text in INVENTORY_SEEDS.items()],
+        "npz-multi": _multi_npz,
+        "task": lambda: [("tasks.json", TASK_SEED.encode())],
+        "plan": lambda: [("plan.json", PLAN_SEED.encode())],
+        "report": lambda: [(name, (FUZZ_DATA / name).read_bytes()) for name in REPORT_SEEDS],
+        "release": lambda: [("release.json", _release_seed())],
+        "coco": lambda: [("ann.json", _coco_seed())],
+        "tfrecord": lambda: [("od.tfrecord", _tfrecord_seed())],
     }
+    return {kind: makers[kind]() for kind in kinds}
 
 
 def _mutated(kind: str, data: bytes, rng: np.random.Generator) -> bytes:
@@ -408,7 +411,7 @@ def worker(seed: int, start: int, end: int, kinds: tuple[str, ...]) -> None:
     logging.disable(logging.CRITICAL)
     from edgeq.errors import EdgeqError
 
-    seeds = _seed_files()
+    seeds = _seed_files(kinds)
     with tempfile.TemporaryDirectory(prefix="edgeq-fuzz-") as tmp:
         for i in range(start, end):
             rng = np.random.default_rng([seed, i])
