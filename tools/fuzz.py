@@ -526,8 +526,8 @@ def run() -> str:
     lines += [
         "",
         "Found by the kinds added on 2026-12-06 (before their fixes; seed 1, 400 cases of the JSON kinds, 300 of "
-        "COCO and TFRecords), each fixed: a plan file that is not UTF-8 (23 tracebacks); `edgeq report` on a record "
-        "edgeq did not write as it is (14: a `KeyError`, `TypeError` or Jinja2 error deep in a section; now the file "
+        "COCO and TFRecords), each fixed: a plan file that is not UTF-8 (25 tracebacks); `edgeq report` on a record "
+        "edgeq did not write as it is (12: a `KeyError`, `TypeError` or Jinja2 error deep in a section; now the file "
         "is named in one line); COCO entries with a missing or mistyped field (97); TFRecords TensorFlow cannot read "
         "(166, its own error message not UTF-8 in 107 of them). And one refusal of valid data: a COCO set whose "
         "images hold at most one object, one of them none, was refused as 'labels must be class indices'. The "
