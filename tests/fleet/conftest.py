@@ -265,16 +265,35 @@ def edgeq_popen(*args, cwd) -> subprocess.Popen:
 HOST_CPU: dict[str, float] = {}  # CPU seconds of each host command run by run_edgeq, by its log's name
 
 
+# Written by the child at exit: its own peak RSS (VmHWM, kB). wait4's ru_maxrss is no measure of
+# it: Linux counts the RSS the child had before exec, a copy of this test process's, which grows
+# over a suite (a `python -c pass` forked from a 500 MiB parent reads 510 MiB there, 13 MiB here).
+PEAK_RSS_HOOK = """
+import atexit as _atexit, os as _os
+def _peak_rss():
+    try:
+        status = open("/proc/self/status").read()
+        with open(_os.environ["EDGEQ_TEST_PEAK_RSS"], "w") as out:
+            out.write(status.split("VmHWM:")[1].split()[0])
+    except (OSError, IndexError, KeyError):
+        pass
+_atexit.register(_peak_rss)
+"""
+
+
 def run_edgeq(*args, cwd: Path, log: Path, main: str = EDGEQ_MAIN, env: dict | None = None, preexec_fn=None):
     """Run ``edgeq ARGS`` as a child; (exit code, wall seconds, peak RSS MiB, stdout+stderr).
 
     ``main``: the Python source the child runs (edgeq's CLI); ``preexec_fn``: run in the child first.
+    The peak RSS is the child's own (its VmHWM), whatever the size of the process that started it.
     """
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    peak_file = log.with_name(log.name + ".peak_rss")
+    peak_file.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EDGEQ_TEST_PEAK_RSS": str(peak_file), **(env or {})}
     start = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", main, *[str(a) for a in args]],
+            [sys.executable, "-c", PEAK_RSS_HOOK + main, *[str(a) for a in args]],
             cwd=cwd,
             stdout=out,
             stderr=out,
@@ -284,7 +303,8 @@ def run_edgeq(*args, cwd: Path, log: Path, main: str = EDGEQ_MAIN, env: dict | N
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     HOST_CPU[log.stem] = usage.ru_utime + usage.ru_stime
-    return proc.returncode, time.monotonic() - start, usage.ru_maxrss / 1024, log.read_text()
+    peak = int(peak_file.read_text()) / 1024 if peak_file.is_file() else usage.ru_maxrss / 1024
+    return proc.returncode, time.monotonic() - start, peak, log.read_text()
 
 
 def summary_rows(text: str, header: str) -> dict[str, list[str]]:

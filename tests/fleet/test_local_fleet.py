@@ -603,3 +603,17 @@ def test_two_processes_filling_one_wheel_cache_folder_take_turns(tmp_path):
         held = subprocess.run([sys.executable, "-c", probe, lock])
     free = subprocess.run([sys.executable, "-c", probe, lock])
     assert (held.returncode, free.returncode) == (3, 0)
+
+
+def test_a_commands_peak_rss_is_its_own_whatever_the_size_of_the_test_process(tmp_path):
+    """Why test_fleet200 read 750 MiB in a full fleet run and 79 MiB alone (issue 42): wait4's
+    ru_maxrss counts the RSS a child had before exec, a copy of the (grown) test process. The fleet
+    benchmarks' peak RSS is the child's own VmHWM now: a 400 MiB test process does not show in it."""
+    from .conftest import run_edgeq
+
+    ballast = bytearray(400 * 1024 * 1024)
+    ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # touched: resident in this process
+    code, _, peak_mib, out = run_edgeq("--version", cwd=tmp_path, log=tmp_path / "version.log")
+    assert code == 0, out
+    assert 5 < peak_mib < 300, peak_mib  # edgeq --version: tens of MiB; the test process: over 400
+    del ballast
