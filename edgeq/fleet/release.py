@@ -39,7 +39,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgeq.artifacts import sha256_file
+from edgeq.artifacts import sha256_file, write_json_atomic
 from edgeq.errors import ReleaseRefused, TransferError, UsageError
 
 RELEASE = "release.json"
@@ -229,7 +229,7 @@ class PullResult:
 
 
 def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return _stamp(time.time())
 
 
 def _fetch(url: str, timeout: float) -> bytes:
@@ -367,9 +367,7 @@ def pull(
         "files": {n: e["sha256"] for n, e in files.items()},
     }  # fmt: skip
     if record != {k: applied.get(k) for k in record}:  # after the files: a crash before it only repeats the pull
-        tmp = folder / f"{APPLIED}{PART}{os.getpid()}"
-        tmp.write_text(json.dumps({**record, "applied": _now()}, indent=2, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, folder / APPLIED)
+        write_json_atomic(folder / APPLIED, {**record, "applied": _now()})
     unchanged = tuple(n for n in files if n not in changed)
     return PullResult(version, number, tuple(changed), unchanged, fetched)
 
