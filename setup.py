@@ -26,12 +26,10 @@ setup(
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    # Every edgeq.* package with an __init__.py, plus the recipes folder mapped in below.
-    packages=find_packages(include=["edgeq", "edgeq.*"]) + ["edgeq.models"],
-    # Reference-model recipes live in the top-level models/ folder and ship inside the
-    # package as edgeq.models, so an installed edgeq finds them without the checkout.
-    package_dir={"edgeq.models": "models"},
-    package_data={"edgeq.models": ["*.toml"], "edgeq.reporting": ["templates/*.j2"]},
+    packages=find_packages(include=["edgeq", "edgeq.*"]),
+    # Reference-model recipes (edgeq/models/recipes/*.toml) ship inside the package, so an
+    # installed edgeq finds them without the checkout.
+    package_data={"edgeq.models": ["recipes/*.toml"], "edgeq.reporting": ["templates/*.j2"]},
     # The interpreter is an extra, one of two: an extra can add a requirement but never take one
     # away, so a base that required LiteRT could not give a tflite-runtime device an install
     # without it. A bare `pip install edgeq` says which extra to add when it needs a runtime.

@@ -90,7 +90,7 @@ def cli(ctx: click.Context, debug: bool, verbose: bool) -> None:
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
-    if verbose:  # keep TensorFlow's own start-up log lines (edgeq.compat hides them otherwise)
+    if verbose:  # keep TensorFlow's own start-up log lines (edgeq.models.compat hides them otherwise)
         os.environ["EDGEQ_VERBOSE"] = "1"
     else:  # the terminal shows edgeq's words: TensorFlow starts quietly when a command imports it
         os.environ.setdefault("EDGEQ_QUIET_TF", "1")

@@ -22,15 +22,15 @@ import numpy as np
 from edgeq.artifacts import provenance, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
 from edgeq.data import DEFAULT_CALIBRATION_SAMPLES, Dataset, HeldOut, Normalization, load_dataset
 from edgeq.errors import ConversionError, DataError, IntegerOnlyError, UsageError
-from edgeq.metrics import compare_outputs
-from edgeq.numerics import ROUNDINGS
+from edgeq.quantize.numerics import ROUNDINGS
 from edgeq.quantize.ranges import ACTIVATION_METHODS, WEIGHT_METHODS
 from edgeq.runtime.flatbuffer import precision_counts, verify_tflite
 from edgeq.runtime.inputs import ROUNDING as INPUT_ROUNDING
 from edgeq.runtime.inputs import manifest_beside
 from edgeq.runtime.interpreter import TFLiteModel
-from edgeq.tasks import TASKS, task
-from edgeq.verdicts import NothingJudged, Verdict, judge
+from edgeq.tasks.metrics import compare_outputs
+from edgeq.tasks.table import TASKS, task
+from edgeq.tasks.verdicts import NothingJudged, Verdict, judge
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def _input_rescaling_hint(keras_model, dataset, samples: int) -> str | None:
 
 def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_qat: bool, notes: list):
     """Calibration samples: --calib, else the data the model was trained on (run.json)."""
-    from edgeq.model_io import recorded_normalization, run_record_for
+    from edgeq.models.load import recorded_normalization, run_record_for
 
     record = run_record_for(source_path) if source_path else None
     spec = calib
@@ -216,8 +216,8 @@ def _converter(
     is_qat,
     static_batch: bool = False,
 ):
-    from edgeq.compat import tf
-    from edgeq.model_io import input_names
+    from edgeq.models.compat import tf
+    from edgeq.models.load import input_names
     from edgeq.shims.tflite import disable_per_channel, keras_converter
 
     converter = keras_converter(model, static_batch)  # static: the Edge TPU compiler wants every shape fixed
@@ -280,7 +280,7 @@ def float_ops(model: TFLiteModel) -> list[str]:
 
 
 def _load_source(model_or_path):
-    from edgeq.model_io import load_user_model
+    from edgeq.models.load import load_user_model
 
     if isinstance(model_or_path, (str, Path)):
         return load_user_model(model_or_path), Path(model_or_path)
@@ -385,7 +385,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     Returns the written model's description; raises ConversionError (IntegerOnlyError
     for float ops in an integer-only model) and leaves nothing on disk when it fails.
     """
-    from edgeq.model_io import as_tf_keras, concatenated_outputs, output_specs, with_input_shape
+    from edgeq.models.load import as_tf_keras, concatenated_outputs, output_specs, with_input_shape
     from edgeq.training.schemes import is_qat_model
 
     options = options or ConvertOptions()
@@ -477,7 +477,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
 def _checked_source(keras_model, source_name: str, is_qat: bool, options: ConvertOptions) -> tuple[dict, bool]:
     """The model's input shapes and whether it has one input and one output; refuses what
     these options cannot do with this model (a QAT model's bits, free input dimensions...)."""
-    from edgeq.model_io import input_shapes
+    from edgeq.models.load import input_shapes
 
     transforms = options.equalize or options.plan or options.bias_correct
     if options.weight_bits != 8 and is_qat:
@@ -533,7 +533,7 @@ def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spe
     if dataset is not None:
         normalization = dataset.normalization
     else:
-        from edgeq.model_io import recorded_normalization
+        from edgeq.models.load import recorded_normalization
 
         normalization = recorded_normalization(source_path) or Normalization()
     manifest = {
@@ -560,7 +560,7 @@ def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spe
         # integer input = clamp(round(float sample / input scale) + zero point), rounded like TFLite
         "input_rounding": INPUT_ROUNDING,
         "num_classes": _num_classes(outputs),
-        # a detector: which heads, in which layout, decoded and NMS'd outside the int8 graph (edgeq.detection)
+        # a detector: which heads, in which layout, decoded and NMS'd outside the int8 graph (edgeq.tasks.detection)
         "detection": _detection_record(outputs, dataset),
         "source": {
             "path": str(source_path) if source_path else None,
@@ -734,7 +734,7 @@ def _convert_searching_ranges(
     """
     import contextlib
 
-    from edgeq.model_io import keras_outputs
+    from edgeq.models.load import keras_outputs
     from edgeq.quantize.calibration import ActivationRanges
     from edgeq.quantize.passes import with_weight_codes
 
@@ -809,7 +809,7 @@ def _chosen_weights(keras_model, dataset, options: ConvertOptions):
     """edgeq's weight codes (edgeq.quantize.ptq) when the options ask for other than the converter's."""
     if options.weight_ranges == "minmax" and options.rounding == "nearest" and options.weight_bits == 8:
         return None
-    from edgeq.model_io import as_tf_keras
+    from edgeq.models.load import as_tf_keras
     from edgeq.quantize.ptq import choose_weights
 
     return choose_weights(
@@ -880,7 +880,7 @@ def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str])
     DEQUANTIZE"), so the float weights QAT fine-tuned (qat_float.keras, beside qat.h5)
     are converted with 16x8 post-training quantization instead.
     """
-    from edgeq.model_io import QAT_FLOAT_NAME, load_user_model
+    from edgeq.models.load import QAT_FLOAT_NAME, load_user_model
     from edgeq.training.schemes import activation_bits_of
 
     if 16 not in activation_bits_of(keras_model):
@@ -935,7 +935,7 @@ def _convert_with_aeq(keras_model, spec: ModeSpec, int4_granularity: str, notes:
 
 
 def _plan_resolved(keras_model, plan) -> dict:
-    from edgeq.training.layer_config import LayerConfig, LayerPrecision
+    from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
 
     return LayerConfig.load(plan).resolve([layer.name for layer in keras_model.layers], LayerPrecision())
 
@@ -1162,7 +1162,7 @@ def _check_contract(tflite, spec: ModeSpec, io_type: str, source_name: str, name
         raise IntegerOnlyError(
             f"{source_name}: the model ends in {', '.join(post)}, which has no integer kernel: export the model "
             "without its post-processing (its box and score heads as two outputs) and let edgeq decode and NMS "
-            "them (edgeq.detection, layouts centre and plain), or convert with --int8 to keep it float"
+            "them (edgeq.tasks.detection, layouts centre and plain), or convert with --int8 to keep it float"
         )
     if spec.integer_only and floats:
         raise IntegerOnlyError(
@@ -1186,7 +1186,7 @@ def _held_targets(dataset, held, outputs) -> dict:
 
 def _task_verdict(output, reference, got, targets, x, budget: float | None = None) -> dict | None:
     """What verification saw of the output's task metric on its labelled samples: both values, the
-    change with n and its paired interval (edgeq.verdicts.Verdict); None where nothing scores it.
+    change with n and its paired interval (edgeq.tasks.verdicts.Verdict); None where nothing scores it.
     With a budget (--max-drop), an output with a task metric that nothing scores is refused."""
     gated = budget is not None and bool(task(output.kind).primary) and not output.kind.startswith("detection")
     try:
@@ -1202,8 +1202,8 @@ def _verify(
 ) -> Verification:
     """The converted model against the source, output by output (matched by name, never position);
     with labels, each output's task metric too (n, change, paired interval)."""
-    from edgeq.model_io import input_names, keras_outputs
-    from edgeq.tasks import compare
+    from edgeq.models.load import input_names, keras_outputs
+    from edgeq.tasks.table import compare
 
     names = [o.name for o in outputs]
     floats = _check_contract(tflite, spec, io_type, source_name, names)
@@ -1309,7 +1309,7 @@ def _count(x) -> int:
 def _detection_record(outputs, dataset) -> dict | None:
     from dataclasses import replace
 
-    from edgeq.detection import detection_spec_of
+    from edgeq.tasks.detection import detection_spec_of
 
     spec = detection_spec_of(outputs)
     if spec is None:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq.detection import GROUND_TRUTH
 from edgeq.errors import DataError
 from edgeq.runtime.inputs import UINT8_IMAGES, Normalization, class_labels, holds_class_ids, read_npz, samples
+from edgeq.tasks.detection import GROUND_TRUTH
 
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train, val, test
 DEFAULT_CALIBRATION_SAMPLES = 200
@@ -629,7 +629,7 @@ def draw_shapes(size: int, count: int, rng: np.random.Generator) -> tuple[np.nda
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> float:
-    from edgeq.detection import iou
+    from edgeq.tasks.detection import iou
 
     return float(iou(a, b[None])[0])
 
@@ -957,7 +957,7 @@ def _tfrecord_files(pattern: str) -> list[str]:
 
 def _tf():
     try:
-        from edgeq.compat import tf
+        from edgeq.models.compat import tf
     except Exception as exc:
         raise DataError(f'tfrecord data needs TensorFlow: pip install "edgeq[train]" ({exc})') from exc
     return tf

@@ -2,7 +2,7 @@
 
 ``evaluate`` loads the models, and needs TensorFlow only when the reference is a Keras
 model; outputs are matched by name (the .tflite signature names them as the Keras model
-does), and scored by ``edgeq.tasks`` (numpy only): accuracy for classifiers, MAE/RMSE/R²
+does), and scored by ``edgeq.tasks.table`` (numpy only): accuracy for classifiers, MAE/RMSE/R²
 for regression, AUC for an anomaly-detection autoencoder, SQNR for everything.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import DataError, ModelLoadError, QualityGateError
-from edgeq.metrics import metric
-from edgeq.tasks import OutputSpec, compare, score, task, worse_by
-from edgeq.verdicts import NothingJudged, Verdict, judge, verdict_of
+from edgeq.tasks.metrics import metric
+from edgeq.tasks.table import OutputSpec, compare, score, task, worse_by
+from edgeq.tasks.verdicts import NothingJudged, Verdict, judge, verdict_of
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class EvalResult:
     detection: dict | None = None  # a detector's mAP@0.5 and mAP@0.5:0.95, both models (pycocotools)
     # each judged output: metric, unit, both values, worse_by with n and its paired 95% interval, pass/fail
     verdicts: tuple[dict, ...] = ()
-    metric: str | None = None  # what value, reference_value and worse_by measure (edgeq.metrics.METRICS)
+    metric: str | None = None  # what value, reference_value and worse_by measure (edgeq.tasks.metrics.METRICS)
     unit: str | None = None  # of value: "%" for a share (stored as a fraction), "" for the target's units
     change_unit: str | None = None  # of worse_by: "pp", "%" (of an error), "points"
 
@@ -74,7 +74,7 @@ def _reference_outputs(reference: Path, x) -> tuple[dict, int, dict]:
 
         ref = TFLiteModel(reference)
         return ref.predict_outputs(x, batch_size=1), reference.stat().st_size, {}
-    from edgeq.model_io import keras_outputs, load_user_model, output_activations
+    from edgeq.models.load import keras_outputs, load_user_model, output_activations
 
     model = load_user_model(reference)
     from edgeq.shims.tflite import keras_converter, native_output_silenced
@@ -91,7 +91,7 @@ def output_specs_of(
     """Each output's task: --task, else what the conversion manifest recorded, else the reference
     Keras file's compile config, else inferred."""
     from edgeq.runtime.inputs import outputs_beside
-    from edgeq.tasks import load_task_spec, specs_for
+    from edgeq.tasks.table import load_task_spec, specs_for
 
     recorded = {o["name"]: o for o in outputs_beside(model_path)}
     targets = {}
@@ -101,7 +101,7 @@ def output_specs_of(
     input_shape = dataset.input_shape if dataset is not None and not isinstance(dataset.input_shape, dict) else None
     compiled = None
     if reference is not None and Path(reference).suffix != ".tflite":
-        from edgeq.model_io import compiled_tasks
+        from edgeq.models.load import compiled_tasks
 
         compiled = compiled_tasks(reference, names)
     return specs_for(
@@ -245,8 +245,8 @@ def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path, bu
     """mAP@0.5 and mAP@0.5:0.95 of both models' decoded detections (pycocotools), and the verdict on
     mAP@0.5 (points worse, n images, paired bootstrap interval over images); None when the model is no
     detector or the data has no boxes."""
-    from edgeq.detection import DetectionSpec, ResampledMap50, decode, detection_spec_of, mean_average_precision
     from edgeq.runtime.inputs import detection_beside
+    from edgeq.tasks.detection import DetectionSpec, ResampledMap50, decode, detection_spec_of, mean_average_precision
 
     spec = detection_spec_of(specs)
     if spec is None:

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from edgeq.compat import keras
 from edgeq.data import load_dataset
 from edgeq.evaluation import evaluate
+from edgeq.models.compat import keras
 from edgeq.training.fit import _compile
 from tests.conftest import assert_one_line_error
 
@@ -165,7 +165,7 @@ def test_plan_meets_the_budget_and_keeps_every_other_layer_integer(cli, outlier_
 
 
 def test_equalize_alone_recovers_most_of_it_fully_integer(cli, outlier_model, tmp_path):
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.transforms.equalize import equalized_copy
 
     model = load_keras_model(outlier_model)
@@ -271,7 +271,7 @@ def test_qat_4bit_export_stores_packed_int4_weights(digits_run, finetune, tmp_pa
 @pytest.mark.parametrize("granularity", ["per-tensor", "per-channel"])
 def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granularity):
     from edgeq.conversion import ConvertOptions, convert
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
 
     d = load_dataset("digits")
@@ -289,7 +289,7 @@ def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granula
 
 def test_equalize_reduces_int8_output_error_on_unbalanced_channels(outlier_model, tmp_path):
     from edgeq.conversion import ConvertOptions, convert
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
 
     d = load_dataset("digits")

@@ -3,7 +3,7 @@
 Real TensorFlow, TF-MOT, converter and LiteRT on small models (32x32 inputs).
 """
 
-import edgeq.compat  # noqa: F401, I001  (sets TF_USE_LEGACY_KERAS before keras 3 imports TensorFlow)
+import edgeq.models.compat  # noqa: F401, I001  (sets TF_USE_LEGACY_KERAS before keras 3 imports TensorFlow)
 
 import json
 
@@ -11,9 +11,9 @@ import keras
 import numpy as np
 import pytest
 
-from edgeq.compat import keras as tf_keras
-from edgeq.compat import tf
-from edgeq.keras3 import KERAS3, is_keras3_model, keras_flavour_of_file
+from edgeq.models.compat import keras as tf_keras
+from edgeq.models.compat import tf
+from edgeq.models.keras3 import KERAS3, is_keras3_model, keras_flavour_of_file
 from tests.test_keras3 import ARCHITECTURES  # the issue's table, translated there, QAT-trained here
 from edgeq.transforms.tfops import replace_tf_ops
 from tests.conftest import assert_one_line_error
@@ -225,9 +225,9 @@ ZOO_KERAS3 = [
 @pytest.mark.parametrize("arch, shape, data", ZOO_KERAS3)
 def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, arch, shape, data):
     """Keras 3 zoo model: translation within 1e-5, 1-epoch QAT, integer-only int8 that passes verification."""
-    from edgeq import zoo
     from edgeq.conversion import ConvertOptions, convert
-    from edgeq.keras3 import to_tf_keras
+    from edgeq.models import zoo
+    from edgeq.models.translate import to_tf_keras
     from edgeq.training.fit import TrainConfig, train
     from tests.test_keras3 import assert_same_model, randomize_statistics
 
@@ -255,7 +255,7 @@ def test_input_preprocessing_ranges_come_from_the_data_so_qat_does_not_collapse(
     diverged in its second QAT batch). edgeq sets those ranges from data.
     """
     from edgeq.conversion import ConvertOptions, convert
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.training.fit import TrainConfig, train
     from edgeq.training.observe import suffix
 

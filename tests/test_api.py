@@ -35,7 +35,7 @@ def test_importing_edgeq_and_its_names_loads_no_stage_and_no_tensorflow():
         "import edgeq\n"
         "names = [getattr(edgeq, n) for n in edgeq.__all__ if n != '__version__']\n"
         "heavy = [m for m in ('tensorflow', 'tf_keras', 'keras', 'edgeq.conversion', 'edgeq.training',"
-        " 'edgeq.compat') if m in sys.modules]\n"
+        " 'edgeq.models.compat') if m in sys.modules]\n"
         "print(json.dumps({'heavy': heavy, 'fd2': os.fstat(2).st_ino == before}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -50,7 +50,7 @@ def test_a_library_import_of_tensorflow_leaves_stderr_alone():
         "redirected = []\n"
         "real = os.dup2\n"
         "os.dup2 = lambda a, b, *k: (redirected.append(b), real(a, b, *k))[1]\n"
-        "import edgeq.compat\n"
+        "import edgeq.models.compat\n"
         "print(2 in redirected)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("EDGEQ_QUIET_TF", "EDGEQ_VERBOSE")}

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from edgeq.commands.convert import MODE_FLAGS
-from edgeq.compat import keras, tf
 from edgeq.conversion import MODES, ConvertOptions, Mode, convert
 from edgeq.errors import IntegerOnlyError, UsageError
+from edgeq.models.compat import keras, tf
 from edgeq.runtime.interpreter import TFLiteModel
 from tests.conftest import assert_one_line_error
 
@@ -74,7 +74,7 @@ def test_uint8_io_for_coral(digits_run, digits_int8, tmp_path):
 
 
 def test_mobilenetv2_ptq_int8_only_with_synthetic_calibration(tmp_path):
-    from edgeq import zoo
+    from edgeq.models import zoo
 
     path = tmp_path / "mnv2.keras"
     zoo.build("mobilenetv2", (64, 64, 3), 10, alpha=0.35).save(path)

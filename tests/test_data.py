@@ -124,7 +124,7 @@ def test_an_unreadable_file_in_an_image_folder_fails_at_listing(tmp_path):
 
 def test_tfrecord_source_reads_the_images_an_image_folder_holds(tmp_path):
     """The same images as TFRecords (image/encoded + image/class/label): same split, same pixels."""
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
 
     root = _image_folder(tmp_path / "imgs")
     folder = load_dataset(f"images:{root}", input_shape=(8, 8, 3))
@@ -226,7 +226,7 @@ def test_tfrecord_with_float_targets_feeds_a_regressor(tmp_path):
     """image/target (floats) instead of a class label: regression targets, through to training batches."""
     from PIL import Image
 
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
     from edgeq.training.pipeline import split_dataset
 
     rng = np.random.default_rng(0)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from edgeq.data import load_dataset
-from edgeq.detection import (
+from edgeq.errors import DataError
+from edgeq.tasks.detection import (
     Detections,
     DetectionSpec,
     decode,
@@ -18,7 +19,6 @@ from edgeq.detection import (
     encode_centre,
     mean_average_precision,
 )
-from edgeq.errors import DataError
 from tests.conftest import assert_one_line_error
 
 
@@ -108,7 +108,7 @@ def test_map_is_the_coco_evaluators_on_fixed_predictions():
 def test_coco_json_and_object_detection_tfrecords_read_the_same_boxes(shapes, tmp_path):
     from PIL import Image
 
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
 
     x, y = shapes.split("test")
     images = (x[:12] * 255).round().astype(np.uint8)
@@ -199,7 +199,7 @@ def test_edgetpu_conversion_of_the_detector_maps_every_op(cli, detector, tmp_pat
 
 
 def test_a_model_that_ends_in_nms_is_named_for_int8_only_and_kept_float_in_int8(cli, tmp_path):
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     image = keras.Input((8, 8, 3), batch_size=1, name="image")
     h = keras.layers.Conv2D(4, 3, padding="same", name="c")(image)
@@ -221,7 +221,7 @@ def test_a_model_that_ends_in_nms_is_named_for_int8_only_and_kept_float_in_int8(
 
 def _nms(heads):
     """A model's own post-processing: the 5 best boxes' scores after TensorFlow's NMS."""
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
 
     boxes, scores = heads
     kept = tf.image.non_max_suppression(boxes[0], scores[0], 5)
@@ -231,7 +231,7 @@ def _nms(heads):
 def test_resampled_map50_is_pycocotools_map50_on_the_images_as_given():
     """The bootstrap reweights pycocotools' own matches: on every image once it is pycocotools' mAP@0.5,
     and an image drawn twice counts twice (its objects and detections both)."""
-    from edgeq.detection import Detections, ResampledMap50, mean_average_precision
+    from edgeq.tasks.detection import Detections, ResampledMap50, mean_average_precision
 
     rng = np.random.default_rng(4)
     gt_boxes = np.full((30, 3, 4), 0.0, np.float32)

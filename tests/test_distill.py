@@ -125,7 +125,7 @@ def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run, tmp_pa
 
 
 def test_paired_interval_sees_a_real_difference_and_none_where_there_is_none():
-    from edgeq.verdicts import paired_interval
+    from edgeq.tasks.verdicts import paired_interval
 
     rng = np.random.default_rng(1)
     truth = rng.integers(0, 2, 2000)

@@ -168,7 +168,7 @@ def test_the_cluster_comes_from_tf_config_or_the_options(monkeypatch):
 
 def test_a_strategy_after_tensorflow_started_is_one_clear_error():
     """In a process whose TensorFlow already runs (this one), logical devices cannot be added."""
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
 
     tf.constant(1.0)
     with pytest.raises(UsageError, match="before TensorFlow starts.*own process"):
@@ -220,7 +220,7 @@ from edgeq.training.distribute import setup
 
 two = setup("mirrored", replicas=2).strategy
 import numpy as np
-from edgeq.compat import keras, tf
+from edgeq.models.compat import keras, tf
 from edgeq.shims.tfmot import global_batch_ranges
 from edgeq.training import schemes
 from edgeq.training.fit import _compile, quantizer_ranges

@@ -1,6 +1,6 @@
 """Keras 3 models in, tf_keras models out: same names, same weights, same outputs."""
 
-import edgeq.compat  # noqa: F401, I001  (sets TF_USE_LEGACY_KERAS before keras 3 imports TensorFlow)
+import edgeq.models.compat  # noqa: F401, I001  (sets TF_USE_LEGACY_KERAS before keras 3 imports TensorFlow)
 
 import json
 import time
@@ -11,19 +11,11 @@ import keras
 import numpy as np
 import pytest
 
-from edgeq.compat import keras as tf_keras
-from edgeq.compat import tf, tfmot
+from edgeq.models.compat import keras as tf_keras
+from edgeq.models.compat import tf, tfmot
 from edgeq.errors import ModelLoadError, UnsupportedLayerError
-from edgeq.keras3 import (
-    KERAS3,
-    SAVEDMODEL,
-    TF_KERAS,
-    is_keras3_model,
-    keras_flavour_of_file,
-    max_abs_difference,
-    to_tf_keras,
-    translate,
-)
+from edgeq.models.keras3 import KERAS3, SAVEDMODEL, TF_KERAS, is_keras3_model, keras_flavour_of_file
+from edgeq.models.translate import max_abs_difference, to_tf_keras, translate
 
 L = keras.layers
 TOLERANCE = 1e-5

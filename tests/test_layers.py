@@ -15,23 +15,24 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "edgeq"
 
-# Bottom to top. A module belongs to the first entry that is its name or a package above it.
+# Bottom to top. A module belongs to the entry that names it or, failing that, the nearest package above it.
 LAYERS: list[tuple[str, ...]] = [
     ("edgeq.errors",),
-    ("edgeq.numerics", "edgeq.quantize.ranges"),  # numpy: range methods and observers
-    ("edgeq.metrics",),
-    ("edgeq.tasks", "edgeq.detection", "edgeq.verdicts"),
+    # numpy: numerics, range methods and observers, the plan file's format
+    ("edgeq.quantize.numerics", "edgeq.quantize.ranges", "edgeq.quantize.plan_file"),
+    ("edgeq.tasks.metrics",),
+    ("edgeq.tasks",),  # the task table, detection, verdicts
     ("edgeq.shims.litert",),
     ("edgeq.artifacts",),
     ("edgeq.runtime",),
-    # ---- host side from here up: TensorFlow may be imported (through edgeq.compat)
-    ("edgeq.names",),  # no TensorFlow: attribute reads of a Keras model
-    ("edgeq.compat",),
+    # ---- host side from here up: TensorFlow may be imported (through edgeq.models.compat)
+    ("edgeq.models.names",),  # no TensorFlow: attribute reads of a Keras model
+    ("edgeq.models.compat",),
     ("edgeq.shims.tflite", "edgeq.shims.tfmot"),
     ("edgeq.quantize.configs",),  # TF-MOT configs, below training, which wraps with them
     ("edgeq.data",),
-    ("edgeq.model_io", "edgeq.keras3"),
-    ("edgeq.zoo",),
+    ("edgeq.models",),  # loading, Keras 3 translation
+    ("edgeq.models.zoo",),
     ("edgeq.transforms",),
     ("edgeq.training",),
     ("edgeq.quantize",),  # the engine: calibration, PTQ, TFLite passes, mixed precision
@@ -44,7 +45,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.cli", "edgeq.__main__", "edgeq.api"),
 ]
 ROOTS = {"edgeq", "edgeq.shims"}  # `edgeq` holds __version__ and the public names (edgeq.api, loaded lazily)
-HOST_FIRST = LAYERS.index(("edgeq.compat",))
+HOST_FIRST = LAYERS.index(("edgeq.models.compat",))
 HOST_STAGES_END = LAYERS.index(("edgeq.fleet",))
 DEVICE_SIDE_EXTRA = (
     "edgeq.cli",
@@ -90,10 +91,14 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
 
 
 def layer_of(module: str) -> int | None:
-    for index, members in enumerate(LAYERS):
-        if any(module == m or module.startswith(m + ".") for m in members):
-            return index
-    return None
+    """The layer of the longest entry that is ``module`` or a package above it."""
+    found = [
+        (len(m), index)
+        for index, members in enumerate(LAYERS)
+        for m in members
+        if module == m or module.startswith(m + ".")
+    ]
+    return max(found)[1] if found else None
 
 
 def is_device_side(module: str) -> bool:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from edgeq.numerics import (
+from edgeq.quantize.numerics import (
     QuantSpec,
     compute_params,
     dequantize,
@@ -98,8 +98,8 @@ def test_stochastic_rounding_is_seeded():
 
 def test_int4_weight_copy_of_a_depthwise_conv_is_per_channel():
     """Each of the (C, multiplier) channels gets its own 4-bit scale, not one per multiplier column."""
-    import edgeq.compat  # noqa: F401  (the Keras flavour first)
-    from edgeq.compat import keras
+    import edgeq.models.compat  # noqa: F401  (the Keras flavour first)
+    from edgeq.models.compat import keras
     from edgeq.transforms.int4 import int4_weight_copy
 
     inputs = keras.Input((6, 6, 4))
@@ -141,8 +141,8 @@ def test_one_sqnr_for_a_tensor_whatever_measures_it():
 
 
 def test_bias_correction_leaves_the_layers_a_plan_keeps_float():
-    import edgeq.compat  # noqa: F401  (the Keras flavour first)
-    from edgeq.compat import keras
+    import edgeq.models.compat  # noqa: F401  (the Keras flavour first)
+    from edgeq.models.compat import keras
     from edgeq.transforms.bias_correction import correct_biases
 
     inputs = keras.Input((6, 6, 2))
@@ -158,8 +158,8 @@ def test_bias_correction_leaves_the_layers_a_plan_keeps_float():
 
 
 def test_bn_folding_leaves_a_shared_layer_alone_and_folds_the_rest():
-    import edgeq.compat  # noqa: F401  (the Keras flavour first)
-    from edgeq.compat import keras
+    import edgeq.models.compat  # noqa: F401  (the Keras flavour first)
+    from edgeq.models.compat import keras
     from edgeq.transforms.fold import fold_batchnorm
 
     L = keras.layers

@@ -6,7 +6,7 @@ import numpy as np
 
 from edgeq.data import load_dataset
 from edgeq.evaluation import evaluate
-from edgeq.model_io import load_keras_model
+from edgeq.models.load import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel
 
 

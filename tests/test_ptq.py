@@ -71,7 +71,7 @@ def test_mse_weight_ranges_clip_heavy_tails_per_channel():
 
 
 def _sqnr_vs(reference, got):
-    from edgeq.metrics import compare_outputs
+    from edgeq.tasks.metrics import compare_outputs
 
     return compare_outputs(reference, got).sqnr_db
 
@@ -82,7 +82,7 @@ def _int8_only_with_ranges(model, x_cal, ranges, method):
     the converter's own), and no edgeq pass after."""
     import contextlib
 
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
     from edgeq.shims.tflite import keras_converter, native_output_silenced
 
     converter = keras_converter(model)
@@ -96,7 +96,7 @@ def _int8_only_with_ranges(model, x_cal, ranges, method):
 
 def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digits_run):
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.quantize.calibration import ActivationRanges
     from edgeq.runtime.interpreter import TFLiteModel
 
@@ -118,9 +118,9 @@ def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digi
 
 
 def test_the_chosen_ranges_are_the_ranges_in_the_tflite(digits_run):
-    from edgeq.compat import tf
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.compat import tf
+    from edgeq.models.load import load_keras_model
     from edgeq.quantize.calibration import ActivationRanges
     from edgeq.runtime.interpreter import TFLiteModel
 
@@ -156,9 +156,9 @@ def test_ptq_auto_keeps_the_best_candidate_and_records_every_one(cli, digits_run
     # The choice is made on one half of val, verification gates and records on the other: the
     # winner's SQNR on the samples that chose it is not what the manifest reports as verified.
     from edgeq.data import load_dataset
-    from edgeq.metrics import compare_outputs
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
+    from edgeq.tasks.metrics import compare_outputs
 
     held = load_dataset("digits").held_out(200, select=200)
     keras_model, tflite = load_keras_model(model), TFLiteModel(out)  # as convert measures: XNNPACK, as eval runs it
@@ -189,7 +189,7 @@ def test_ptq_method_is_a_choice(cli, digits_run, tmp_path):
 
 def test_equalization_across_relu6_in_a_mobilenetv2_block_is_exact_on_its_data():
     """Depthwise -> ReLU6 -> pointwise, as in MobileNetV2: CLE narrows the channel ranges, FP32 outputs stay."""
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
     from edgeq.transforms.equalize import equalized_copy
 
     L = keras.layers
@@ -221,7 +221,7 @@ def test_equalization_across_relu6_in_a_mobilenetv2_block_is_exact_on_its_data()
 
 
 def test_stochastic_rounding_is_seeded_unbiased_and_not_nearest():
-    from edgeq.numerics import weight_codes as codes
+    from edgeq.quantize.numerics import weight_codes as codes
 
     rng = np.random.default_rng(0)
     kernel = rng.normal(0, 0.05, size=(3, 3, 16, 8))
@@ -250,7 +250,7 @@ def _int8_kernels(path):
 def test_chosen_rounding_reaches_the_tflite_as_those_int8_values(digits_run, tmp_path):
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.quantize.ptq import choose_weights
 
     d = load_dataset("digits")
@@ -277,7 +277,7 @@ def test_chosen_rounding_reaches_the_tflite_as_those_int8_values(digits_run, tmp
 
 
 def test_adaround_lowers_the_layers_output_error_against_nearest():
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
     from edgeq.transforms.adaround import adaround
 
     rng = np.random.default_rng(0)
@@ -312,7 +312,7 @@ def test_rounding_needs_edgeqs_ranges(cli, digits_run, tmp_path):
 
 
 def test_qat_starts_from_calibrated_activation_ranges_not_tfmots_default():
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
     from edgeq.training.observe import activation_points, initialize_ranges
     from edgeq.training.schemes import QuantSettings, build_qat_model
 
@@ -335,7 +335,7 @@ def test_qat_starts_from_calibrated_activation_ranges_not_tfmots_default():
 def test_qat_starts_with_one_range_per_concatenation_chain():
     """QAT's calibrated start (--init-ranges) gives a concatenation and its inputs one range, as
     PTQ does, so the QAT model does not start with a requantization at each concatenation."""
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
     from edgeq.training.observe import activation_points, initialize_ranges
     from edgeq.training.schemes import QuantSettings, build_qat_model
 
@@ -371,7 +371,7 @@ def _hot_pixel_digits(samples=128):
 
 def test_analyze_calibration_takes_edgeqs_range_methods(digits_run):
     """sensitivity/plan quantize from one calibration: an entropy-ranged one beats min/max on an outlier."""
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.quantize.calibration import calibrate, predict
     from edgeq.shims.tflite import tensor_ranges
 
@@ -417,8 +417,8 @@ def test_concatenations_get_one_range_so_the_converter_adds_no_requantization(tm
     int8 kernels of these want one scale on all their tensors. edgeq's ranges (here percentile)
     replace the converter's calibrated min/max tensor by tensor, and the converter's quantizer
     then gives the chain one scale as it does for its own: no QUANTIZE op (a second rounding)."""
-    from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
+    from edgeq.models.compat import keras
     from edgeq.runtime.flatbuffer import read_tflite
 
     layers = keras.layers
@@ -463,8 +463,8 @@ def test_an_average_pooling_into_a_concatenation_gets_the_converters_ranges(tmp_
     gives the chain one range and the conv before the pooling the pooling's narrower range,
     as the converter's own calibration does: no QUANTIZE op, and the same scales as the
     converter's minmax (before, the conv's own wider range widened the chain by 19%)."""
-    from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
+    from edgeq.models.compat import keras
 
     layers = keras.layers
     keras.utils.set_random_seed(0)
@@ -499,7 +499,7 @@ def test_an_average_pooling_into_a_concatenation_gets_the_converters_ranges(tmp_
 
 def _mobilenet_v3_like():
     """tf_keras' MobileNetV3 way: hard-swish and the SE gate's hard-sigmoid built of TF ops."""
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     layers = keras.layers
     keras.utils.set_random_seed(0)
@@ -629,7 +629,7 @@ def test_adaround_learns_a_strided_1x1_convolution_exactly_as_the_layer_computes
     """A residual 1x1 stride-2 conv (mini-Xception, ResNet shortcuts): AdaRound's output function
     equals the layer, and learning through it completes (TF 2.21's gradient of a strided 1x1 conv
     crashed the process; edgeq convolves the subsampled input instead)."""
-    from edgeq.compat import keras, tf
+    from edgeq.models.compat import keras, tf
     from edgeq.transforms.adaround import _linear, adaround, kernel_scale
 
     keras.utils.set_random_seed(0)
@@ -650,9 +650,9 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
     int8 tensor of the two models has the same scale and zero point (from the CLI also on
     keras.applications MobileNetV2 and a Keras 3 MobileNetV3Small: no scale differs). An int16
     plan's mixed model observes the same tensors with the same observers for LiteRT Quantizer."""
-    from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
+    from edgeq.models.compat import keras
     from edgeq.quantize.calibration import calibrate
     from edgeq.runtime.flatbuffer import read_tflite
 
@@ -712,8 +712,8 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
 def test_w4a8_names_the_kernels_it_leaves_to_the_converter(tmp_path):
     """edgeq chooses the codes of Conv2D, DepthwiseConv2D and Dense kernels; any other kernel (here a
     Conv1D's) keeps the converter's 8-bit min/max weights, and the manifest and note say which."""
-    from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
+    from edgeq.models.compat import keras
     from edgeq.runtime.flatbuffer import read_tflite
 
     keras.utils.set_random_seed(0)
@@ -740,8 +740,8 @@ def test_the_converters_calibration_records_a_residual_branch_with_the_sums_rang
     int8 step in the converted model. edgeq observes every tensor in an interpreter that keeps each
     one: --ptq minmax gives b its own range. (Here b's step barely matters next to the sum's: the
     two models' SQNR is the same; on a trained MobileNetV3Small too, 13.8 dB on 1199 test samples.)"""
-    from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
+    from edgeq.models.compat import keras
     from edgeq.quantize.calibration import ActivationRanges
     from edgeq.runtime.flatbuffer import read_tflite
     from edgeq.shims.tflite import tensor_ranges

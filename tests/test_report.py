@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeq.metrics import metric
+from edgeq.tasks.metrics import metric
 
 from .conftest import assert_one_line_error
 

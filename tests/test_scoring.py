@@ -26,7 +26,7 @@ def _binary_data(path, n=400):
 
 def _sigmoid_model(sign: float):
     """Flatten -> Dense(1, sigmoid) that answers mean > 0.5 (sign +1) or its opposite (sign -1)."""
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     inputs = keras.Input((4, 4, 1))
     dense = keras.layers.Dense(1, activation="sigmoid", name="score")
@@ -65,9 +65,9 @@ def test_a_sigmoid_classifier_that_answers_the_opposite_fails_max_drop(cli, tmp_
 def test_a_head_of_shape_1x1xk_is_scored_per_sample_and_an_image_output_is_refused(cli, tmp_path):
     """(N, 1, 1, K) scores: argmax over K per sample (before, (N, 1, 1) broadcast against y gave a
     mean over N x N pairs); an output with no class axis has no accuracy: one line, not a number."""
-    from edgeq.compat import keras
     from edgeq.data import load_dataset
     from edgeq.evaluation import evaluate
+    from edgeq.models.compat import keras
 
     rng = np.random.default_rng(1)
     x = rng.uniform(0, 1, (300, 4, 4, 1)).astype(np.float32)

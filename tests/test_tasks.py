@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from edgeq.tasks import OutputSpec, infer_kind, roc_auc, score
+from edgeq.tasks.table import OutputSpec, infer_kind, roc_auc, score
 from tests.conftest import assert_one_line_error
 
 MODES = ("fp32", "fp16", "dynamic", "int8", "int8-only", "int16x8")
@@ -126,9 +126,9 @@ def test_outputs_the_converter_reorders_are_matched_by_name(tmp_path):
     """tf_keras model with three heads of one shape: the .tflite lists its output tensors in another
     order than the model (checked), yet each is read and verified as the Keras output of its name
     (matched by position, each would carry another head's values)."""
-    from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
-    from edgeq.model_io import keras_outputs
+    from edgeq.models.compat import keras
+    from edgeq.models.load import keras_outputs
     from edgeq.runtime.interpreter import TFLiteModel
 
     inputs = keras.Input((6,), name="features")
@@ -296,7 +296,7 @@ def test_regression_and_an_anomaly_autoencoder_train_qat_convert_and_eval(cli, t
 def test_a_multi_output_savedmodel_converts_with_its_outputs_named(cli, tmp_path):
     """A tf_keras model saved as a SavedModel folder with three sigmoid heads (as an audio model
     with contour, note and onset posteriorgrams): --fp32 and --int8, each output verified by name."""
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     inputs = keras.Input((32, 1), name="audio")
     h = keras.layers.Conv1D(4, 5, activation="relu", name="c1")(inputs)

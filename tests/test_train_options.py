@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from edgeq.compat import keras, tf
 from edgeq.conversion import ConvertOptions, convert
 from edgeq.data import load_dataset
-from edgeq.model_io import load_keras_model
+from edgeq.models.compat import keras, tf
+from edgeq.models.load import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.training.fit import TrainConfig, _compile, train
 from tests.conftest import assert_one_line_error
@@ -493,7 +493,7 @@ def test_sigkill_at_random_moments_then_resume_finishes_losing_at_most_one_epoch
 
 def test_resume_restores_the_optimizer_state(tmp_path):
     """Adam's step count and moments come back from the checkpoint, not from zero."""
-    from edgeq import zoo
+    from edgeq.models import zoo
     from edgeq.training.fit import _Run, restore_checkpoint
     from edgeq.training.schedule import make_schedule
 
@@ -522,7 +522,7 @@ def test_resume_restores_the_optimizer_state(tmp_path):
 def test_a_diverging_stage_stops_with_one_line_and_keeps_the_last_finite_checkpoint(cli, tmp_path):
     """exp(exp(100 x)) overflows on the first batch: the loss is NaN, so the stage stops there
     (not after its epochs), no checkpoint of NaN weights is written, and the error says what to try."""
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     inputs = keras.Input((8, 8, 1))
     h = keras.layers.Flatten()(inputs)

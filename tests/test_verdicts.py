@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from edgeq.metrics import metric
-from edgeq.tasks import OutputSpec
-from edgeq.verdicts import NothingJudged, judge
+from edgeq.tasks.metrics import metric
+from edgeq.tasks.table import OutputSpec
+from edgeq.tasks.verdicts import NothingJudged, judge
 from tests.conftest import assert_one_line_error
 
 
@@ -57,7 +57,7 @@ def test_a_gate_refuses_what_it_cannot_judge():
 
 
 def test_cosine_of_an_all_zero_output_against_a_nonzero_one_is_not_one():
-    from edgeq.metrics import compare_outputs
+    from edgeq.tasks.metrics import compare_outputs
 
     got = compare_outputs(np.ones((3, 4)), np.zeros((3, 4)))
     assert got.cosine == 0.0

@@ -13,10 +13,10 @@ EXACT_LAYERS = 4  # exact sensitivity is timed on this many layers and reported 
 
 
 def measure() -> dict:
-    from edgeq import zoo
     from edgeq.analysis.sensitivity import fast_sensitivity
-    from edgeq.compat import keras, tf
     from edgeq.data import load_dataset
+    from edgeq.models import zoo
+    from edgeq.models.compat import keras, tf
     from edgeq.quantize.calibration import calibrate, predict
 
     keras.utils.set_random_seed(0)

@@ -20,7 +20,7 @@ BOOTSTRAP = 50
 
 
 def _bootstrap(decoded: dict, truth, size, classes, seed: int = 0) -> dict:
-    from edgeq.detection import mean_average_precision
+    from edgeq.tasks.detection import mean_average_precision
 
     rng = np.random.default_rng(seed)
     boxes, labels = truth
@@ -43,10 +43,10 @@ def _bootstrap(decoded: dict, truth, size, classes, seed: int = 0) -> dict:
 def run() -> str:
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
-    from edgeq.detection import DetectionSpec, decode, mean_average_precision
-    from edgeq.model_io import keras_outputs, load_user_model
+    from edgeq.models.load import keras_outputs, load_user_model
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import profile_model
+    from edgeq.tasks.detection import DetectionSpec, decode, mean_average_precision
     from edgeq.training.fit import TrainConfig, train
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,7 +42,7 @@ def _images(root: Path, n: int) -> Path:
 
 
 def _model(path: Path) -> Path:
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     L = keras.layers
     inputs = keras.Input((SIZE, SIZE, 3))

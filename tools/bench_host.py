@@ -38,7 +38,7 @@ def _epoch_seconds(model, dataset, epochs: int, batch_size: int = 32) -> float:
 
 
 def _bare_convert_seconds(model, dataset, samples: int) -> float:
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
 
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -52,10 +52,10 @@ def _bare_convert_seconds(model, dataset, samples: int) -> float:
 
 
 def measure() -> list[dict]:
-    from edgeq import zoo
-    from edgeq.compat import keras
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
+    from edgeq.models import zoo
+    from edgeq.models.compat import keras
     from edgeq.training.schemes import QuantSettings, build_qat_model
 
     rows = []

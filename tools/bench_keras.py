@@ -40,7 +40,7 @@ def _epoch_seconds(model, x, y, repeats: int = 2) -> float:
 
 def bare_int8_only_seconds(model, x, samples: int = 32) -> float:
     """One bare TFLiteConverter int8-only conversion (``samples`` representative samples), timed."""
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
     from edgeq.shims.tflite import native_output_silenced
 
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
@@ -56,11 +56,11 @@ def bare_int8_only_seconds(model, x, samples: int = 32) -> float:
 
 
 def run() -> str:
-    import edgeq.compat  # noqa: F401, I001  (Keras flavour first, before Keras 3 imports TensorFlow)
+    import edgeq.models.compat  # noqa: F401, I001  (Keras flavour first, before Keras 3 imports TensorFlow)
     import keras  # noqa: I001
 
-    from edgeq.compat import keras as tf_keras
-    from edgeq.keras3 import translate
+    from edgeq.models.compat import keras as tf_keras
+    from edgeq.models.translate import translate
     from edgeq.training.schemes import QuantSettings, build_qat_model
 
     x, y = _data()

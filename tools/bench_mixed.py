@@ -5,7 +5,7 @@ The photo task is bench_ptq's (crops of scikit-learn's two sample photos labelle
 random CNN), 6,000 samples, so the test split holds 1,200. Each architecture is trained from
 scratch at 32x32 as bench_ptq trains it; every quantized model is then scored on the test split
 against the FP32 model on the same samples: accuracy, the paired difference with a bootstrap 95%
-interval (edgeq.verdicts.paired_interval, 1,000 resamples), size, single-thread latency
+interval (edgeq.tasks.verdicts.paired_interval, 1,000 resamples), size, single-thread latency
 on this CPU (edgeq's profile, LiteRT), and for the mixed model the share of ops at 16-bit.
 
 `python tools/bench.py --only mixed` (EDGEQ_BENCH_MIXED_ARCHS=EfficientNetB0,... to choose).
@@ -34,8 +34,8 @@ STEPS = ("ptq", "mixed", "qat", "qat_distill", "w4_nearest", "w4_adaround")
 def _fp32(name: str, data: str, folder: Path) -> Path:
     from bench_ptq import OPTIONS, TRAINED_EPOCHS, _set_bn_statistics
 
-    from edgeq.compat import keras
     from edgeq.data import load_dataset
+    from edgeq.models.compat import keras
 
     path = folder / f"{name}.keras"
     if path.exists():  # EDGEQ_BENCH_CACHE kept it from an earlier run
@@ -58,7 +58,7 @@ def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict
     from edgeq.runtime.flatbuffer import op_summary, read_tflite
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import profile_model
-    from edgeq.verdicts import paired_interval
+    from edgeq.tasks.verdicts import paired_interval
 
     correct = (TFLiteModel(path, use_default_delegates=False).predict(x, batch_size=1).argmax(-1) == y).astype(float)
     (low, high), _ = paired_interval(
@@ -83,7 +83,7 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
 
     from edgeq.conversion import ConvertOptions, convert
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
     from edgeq.training.fit import TrainConfig, train
 
     data = raw if name in RAW_PIXELS else photos

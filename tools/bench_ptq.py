@@ -62,8 +62,8 @@ def _raw_pixels(data: str, folder: Path) -> str:
 
 
 def _models(tmp: Path):
-    from edgeq.compat import keras
     from edgeq.data import load_dataset
+    from edgeq.models.compat import keras
 
     synthetic = f"synthetic:{SIZE}x{SIZE}x3:10:400"
     for name in os.environ.get("EDGEQ_BENCH_ARCHS", ",".join(ARCHITECTURES)).split(","):
@@ -95,7 +95,7 @@ def input_only_ceiling(path, data) -> float:
     import numpy as np
 
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
 
     dataset = load_dataset(data)
     calib = dataset.calibration_samples(64)
@@ -156,7 +156,7 @@ def _auto_from(every: dict, target: float = 10.0) -> dict:
 
 def adaround_at_224() -> dict:
     """`--rounding adaround` on MobileNetV2 1.0 at 224x224 (the issue's time target), vs one bare conversion."""
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     data = "synthetic:224x224x3:10:160"
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,7 +177,7 @@ def bare_conversion_seconds(path, data) -> float:
     from bench_keras import bare_int8_only_seconds
 
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_keras_model
+    from edgeq.models.load import load_keras_model
 
     return bare_int8_only_seconds(load_keras_model(path), load_dataset(data).calibration_samples(64), samples=64)
 
@@ -221,7 +221,7 @@ def teacher_photos(folder: Path, n: int = 3000, size: int = 32, classes: int = 1
     from PIL import Image
     from sklearn.datasets import load_sample_images
 
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     photos = load_sample_images().images
     rng = np.random.default_rng(seed)
@@ -292,9 +292,9 @@ def trained_architectures() -> list[dict]:
     Random-weight networks amplify any input error (see input_only_ceiling); trained ones are
     what users bring, and what published PTQ results are measured on.
     """
-    from edgeq.compat import keras
     from edgeq.data import load_dataset
     from edgeq.evaluation import evaluate
+    from edgeq.models.compat import keras
     from edgeq.quantize.ranges import ACTIVATION_METHODS
 
     rows = []

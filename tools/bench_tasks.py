@@ -41,9 +41,9 @@ def _models(recipe: str, data: str, folder: Path) -> dict[str, Path]:
 
 def _autoencoder(folder: Path) -> list[str]:
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_user_model
+    from edgeq.models.load import load_user_model
     from edgeq.runtime.interpreter import TFLiteModel
-    from edgeq.tasks import PAUC_MAX_FPR, anomaly_scores, roc_auc
+    from edgeq.tasks.table import PAUC_MAX_FPR, anomaly_scores, roc_auc
 
     data = "machine-sound:7200"
     start = time.perf_counter()
@@ -83,7 +83,7 @@ def _autoencoder(folder: Path) -> list[str]:
 
 def _regression(folder: Path) -> list[str]:
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_user_model
+    from edgeq.models.load import load_user_model
     from edgeq.runtime.interpreter import TFLiteModel
 
     paths = _models("diabetes-regression", "diabetes", folder)

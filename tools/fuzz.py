@@ -230,7 +230,7 @@ def _example(tf, seed: int) -> bytes:
 
 def _framed(records: list[bytes]) -> bytes:
     """TFRecord framing (length, its CRC, data, its CRC) written by TensorFlow's own writer."""
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "r.tfrecord"
@@ -241,7 +241,7 @@ def _framed(records: list[bytes]) -> bytes:
 
 
 def _tfrecord_seed() -> bytes:
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
 
     return _framed([_example(tf, i) for i in range(3)])
 
@@ -251,7 +251,7 @@ def mutate_tfrecord(data: bytes, rng: np.random.Generator) -> bytes:
     tf.train.Example bytes mutated and framed again with valid CRCs, so the parser gets them."""
     if rng.integers(0, 2) == 0:
         return mutate(data, rng)
-    from edgeq.compat import tf
+    from edgeq.models.compat import tf
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "r.tfrecord"
@@ -349,11 +349,11 @@ def _targets(kind: str, path: Path):
 
         return [("profile --data", profile_reader), ("train/eval data", lambda: training_npz(path))]
     if kind == "task":
-        from edgeq.tasks import load_task_spec
+        from edgeq.tasks.table import load_task_spec
 
         return [("--task FILE", lambda: load_task_spec(str(path), ["head0", "head1"]))]
     if kind == "plan":
-        from edgeq.training.layer_config import LayerConfig, LayerPrecision
+        from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
 
         return [("--plan / --layer-config", lambda: LayerConfig.load(path).resolve(PLAN_LAYERS, LayerPrecision()))]
     if kind == "report":

@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--skip-tiny", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    from edgeq.compat import keras, tf
+    from edgeq.models.compat import keras, tf
 
     if not args.skip_tiny:
         make_tiny(args.out, tf, keras)

@@ -25,10 +25,10 @@ import numpy as np
 from edgeq.analysis.sensitivity import exact_sensitivity, load_fp32_with_data, quality_of
 from edgeq.artifacts import write_json_atomic
 from edgeq.errors import UsageError
-from edgeq.metrics import metric
 from edgeq.quantize.calibration import calibrate, predict
+from edgeq.tasks.metrics import metric
+from edgeq.tasks.verdicts import judge
 from edgeq.transforms.int4 import int4_weight_copy
-from edgeq.verdicts import judge
 
 FALLBACKS = ("float", "int16")  # what a layer that int8 hurts becomes
 # Up to this many layers, the int16 plan tries each layer alone at 16-bit to rank them (a
@@ -68,7 +68,7 @@ class PlanResult:
     # what every value above measures (the output's task metric: accuracy, RMSE, AUC...) and on how many
     metric: str = "accuracy"
     samples: int = 0
-    verdict: dict | None = None  # the chosen plan vs FP32: change, n, paired 95% interval (edgeq.tasks.Verdict)
+    verdict: dict | None = None  # the chosen plan vs FP32: change, n, paired 95% interval (edgeq.tasks.table.Verdict)
 
 
 def _weight_count(model, layers) -> int:

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import EdgeqError
-from edgeq.metrics import metric as metric_row
-from edgeq.verdicts import paired_interval
+from edgeq.tasks.metrics import metric as metric_row
+from edgeq.tasks.verdicts import paired_interval
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ def compare_run(out_dir: str | Path) -> dict | None:
     from edgeq.analysis.sensitivity import LABEL_FREE_KINDS, fp32_answers
     from edgeq.artifacts import sha256_file, write_json_atomic
     from edgeq.data import load_dataset
-    from edgeq.model_io import keras_outputs, load_user_model, recorded_normalization
-    from edgeq.tasks import OutputSpec
+    from edgeq.models.load import keras_outputs, load_user_model, recorded_normalization
+    from edgeq.tasks.table import OutputSpec
     from edgeq.training.distill import NO_LABELS
 
     out_dir = Path(out_dir)
@@ -95,7 +95,7 @@ def compare_int8(out_dir: Path, fp32: Path, qat: Path, dataset, spec, targets, s
     (class ids or values of the first output; the FP32 model's outputs where the data has no labels),
     and name the better one. Returns run.json's ``int8_comparison`` record."""
     from edgeq.runtime.interpreter import TFLiteModel
-    from edgeq.tasks import score, task
+    from edgeq.tasks.table import score, task
 
     record = {"split": split, "output": spec.name, "metric": task(spec.kind).primary}
     models = {"ptq": _convert(fp32, out_dir / PTQ_NAME), "qat": _convert(qat, out_dir / QAT_INT8_NAME)}

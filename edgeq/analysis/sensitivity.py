@@ -24,7 +24,7 @@ import numpy as np
 from edgeq.errors import UsageError
 from edgeq.quantize.calibration import Calibrated, calibrate, predict
 from edgeq.shims.tflite import native_output_silenced
-from edgeq.tasks import OutputSpec, predicted, score, task, worse_by
+from edgeq.tasks.table import OutputSpec, predicted, score, task, worse_by
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class Quality:
 
 def quality_of(model, model_path, dataset, split: str, declared: str | None = None) -> Quality:
     """The Quality of ``model``'s one output on ``split``; refused where its task has nothing to score."""
-    from edgeq.model_io import output_specs
+    from edgeq.models.load import output_specs
 
     spec = output_specs(model, declared, model_path, dataset)[0]
     metric = task(spec.kind).primary
@@ -202,7 +202,7 @@ def exact_sensitivity(cal: Calibrated, x: np.ndarray, quality: Quality, progress
 def load_fp32_with_data(model_path, data: str, verb: str):
     """The FP32 Keras model and a dataset that fits its input; a QAT model is refused."""
     from edgeq.data import load_dataset
-    from edgeq.model_io import load_tf_keras_model, recorded_normalization
+    from edgeq.models.load import load_tf_keras_model, recorded_normalization
     from edgeq.training.schemes import is_qat_model
 
     model = load_tf_keras_model(model_path)

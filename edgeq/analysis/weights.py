@@ -1,7 +1,7 @@
 """Weight statistics per layer and what each quantization choice would cost them.
 
 Works from a Keras model (host) or a .tflite file (weights read through LiteRT and
-dequantized when they are stored quantized). All arithmetic is edgeq.numerics.
+dequantized when they are stored quantized). All arithmetic is edgeq.quantize.numerics.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import ModelLoadError, UsageError
-from edgeq.numerics import QuantSpec, fake_quantize, sqnr_db
+from edgeq.quantize.numerics import QuantSpec, fake_quantize, sqnr_db
 from edgeq.shims.litert import ops_details
 
 OUTLIER_SIGMA = 3.0
@@ -126,7 +126,7 @@ def load_weights(model_path: str | Path) -> list[LayerWeights]:
     if path.suffix == ".tflite":
         layers = tflite_weights(path)
     else:
-        from edgeq.model_io import load_tf_keras_model
+        from edgeq.models.load import load_tf_keras_model
 
         layers = keras_weights(load_tf_keras_model(path))
     if not layers:
@@ -235,8 +235,8 @@ def rounding_errors(
     output error, which is what the next layer sees.
     """
     from edgeq.analysis.sensitivity import load_fp32_with_data
-    from edgeq.compat import keras
-    from edgeq.numerics import weight_codes, weight_error
+    from edgeq.models.compat import keras
+    from edgeq.quantize.numerics import weight_codes, weight_error
     from edgeq.transforms.adaround import ADAROUND_LAYERS, adaround, kernel_name, kernel_scale, output_mse
 
     if Path(model_path).suffix == ".tflite":

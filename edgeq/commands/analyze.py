@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from edgeq.commands.ui import Heartbeat, table
-from edgeq.metrics import metric
 from edgeq.quantize.ranges import ACTIVATION_METHODS
+from edgeq.tasks.metrics import metric
 
 _ranges_option = click.option(
     "--ranges",
@@ -230,7 +230,7 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`."""
     from edgeq.analysis.plan import make_plan, save_frontier_chart
     from edgeq.errors import QualityGateError
-    from edgeq.verdicts import Verdict
+    from edgeq.tasks.verdicts import Verdict
 
     with Heartbeat("analyze plan (layers ranked)") as progress:
         result = make_plan(

@@ -186,7 +186,7 @@ def convert(
     if json_out:
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
         return
-    from edgeq.verdicts import Verdict
+    from edgeq.tasks.verdicts import Verdict
 
     v = result.verification
     rows = []

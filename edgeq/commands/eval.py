@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from edgeq.commands.ui import table
-from edgeq.metrics import metric
+from edgeq.tasks.metrics import metric
 
 
 @click.command("eval")
@@ -35,7 +35,7 @@ def eval_command(model, reference, data, split, max_drop, json_path, task):
 
     from edgeq.artifacts import write_json_atomic
     from edgeq.evaluation import check_gate, evaluate
-    from edgeq.verdicts import Verdict
+    from edgeq.tasks.verdicts import Verdict
 
     r = evaluate(model, reference, data, split, max_drop, task)
     if json_path == "-":

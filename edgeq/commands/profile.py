@@ -22,7 +22,7 @@ from edgeq.commands.ui import (
     write_json_output,
 )
 from edgeq.errors import UsageError
-from edgeq.metrics import metric
+from edgeq.tasks.metrics import metric
 
 
 def parse_threads(text: str) -> tuple[int, ...]:

@@ -175,7 +175,7 @@ def _source_hash(root: Path) -> str:
     digest = hashlib.sha256()
     names = ["setup.py", "pyproject.toml", "README.md"]
     files = [root / n for n in names if (root / n).is_file()]
-    for folder in ("edgeq", "models"):
+    for folder in ("edgeq",):
         files += sorted(
             p for p in (root / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
         )
@@ -214,7 +214,7 @@ def _build_wheel(root: Path) -> Path:
             if (root / name).is_file():
                 shutil.copy2(root / name, src / name)
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-        for name in ("edgeq", "models"):
+        for name in ("edgeq",):
             if (root / name).is_dir():
                 shutil.copytree(root / name, src / name, ignore=ignore)
         dist = Path(tmp) / "dist"

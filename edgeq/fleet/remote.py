@@ -27,7 +27,7 @@ from edgeq.fleet.inventory import Device
 from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files, upload_and_commit, with_manifests
 from edgeq.fleet.rollout import Rollout
 from edgeq.fleet.transport import CANCEL, Transport, confine, connect
-from edgeq.metrics import top1_agreement
+from edgeq.tasks.metrics import top1_agreement
 
 log = logging.getLogger(__name__)
 
@@ -400,9 +400,9 @@ def profile_on(
 
 def _score_device_detections(report: dict, detections_file: Path, data: str | Path) -> dict:
     """The device's decoded detections scored by pycocotools on this host (COCO mAP)."""
-    from edgeq.detection import mean_average_precision
     from edgeq.runtime.inputs import read_npz
     from edgeq.runtime.profile import read_detections
+    from edgeq.tasks.detection import mean_average_precision
 
     arrays = read_npz(data)
     scores = report["model"]["scores"]
@@ -442,7 +442,7 @@ def _class_outputs(model, names: list[str]) -> set[str]:
     """The outputs that are classes, by the task the conversion manifest records (else by their shape:
     one score vector per sample)."""
     from edgeq.runtime.inputs import outputs_beside
-    from edgeq.tasks import TASKS
+    from edgeq.tasks.table import TASKS
 
     recorded = {o["name"]: o.get("task") for o in outputs_beside(model)}
     if recorded:

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeq.compat import tf
 from edgeq.data import Dataset
 from edgeq.errors import UsageError
-from edgeq.names import producer_of
-from edgeq.numerics import channel_sqnr_db
+from edgeq.models.compat import tf
+from edgeq.models.names import producer_of
+from edgeq.quantize.numerics import channel_sqnr_db
 from edgeq.quantize.ranges import ACTIVATION_METHODS, activation_range
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.shims.litert import ops_details

@@ -6,7 +6,7 @@ loads ``qat.h5`` with them in scope), so neither has to import the other.
 
 from __future__ import annotations
 
-from edgeq.compat import keras, tfmot
+from edgeq.models.compat import keras, tfmot
 
 _q = tfmot.quantization.keras
 

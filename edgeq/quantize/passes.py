@@ -104,7 +104,7 @@ def with_weight_codes(content: bytes, kernels) -> tuple[bytes, list[str]]:
     """
     import numpy as np
 
-    from edgeq.numerics import pack_int4
+    from edgeq.quantize.numerics import pack_int4
 
     s = schema()
     model = s.ModelT.InitFromPackedBuf(content, 0)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeq.compat import keras
-from edgeq.numerics import weight_codes, weight_error
+from edgeq.models.compat import keras
+from edgeq.quantize.numerics import weight_codes, weight_error
 from edgeq.quantize.ranges import weight_ranges
 from edgeq.transforms.adaround import ADAROUND_LAYERS, kernel_name
 from edgeq.transforms.fold import folded_copy

@@ -14,9 +14,9 @@ import edgeq.reporting.figures as figures
 from edgeq import __version__
 from edgeq.artifacts import atomic_path
 from edgeq.errors import DataError, MissingExtraError
-from edgeq.metrics import metric
 from edgeq.reporting.sources import Sources, collect
-from edgeq.verdicts import Verdict
+from edgeq.tasks.metrics import metric
+from edgeq.tasks.verdicts import Verdict
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,7 @@ import numpy as np
 
 from edgeq import __version__
 from edgeq.artifacts import atomic_path, sha256_bytes
-from edgeq.detection import GROUND_TRUTH
 from edgeq.errors import DataError, MissingExtraError, ModelLoadError, UsageError
-from edgeq.metrics import metric
 from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
     Normalization,
@@ -43,7 +41,9 @@ from edgeq.runtime.inputs import (
     samples_for,
 )
 from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, quantize
-from edgeq.tasks import TASKS, OutputSpec, compare, score, specs_for
+from edgeq.tasks.detection import GROUND_TRUTH
+from edgeq.tasks.metrics import metric
+from edgeq.tasks.table import TASKS, OutputSpec, compare, score, specs_for
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,9 @@ class Scores:
     samples: int
     labelled: bool
     value: float | None  # the first output's primary metric (``metric``); None without labels
-    outputs: tuple[dict, ...] = ()  # each output: name, task, its task's metrics (edgeq.tasks.score)
+    outputs: tuple[dict, ...] = ()  # each output: name, task, its task's metrics (edgeq.tasks.table.score)
     detection: dict | None = None  # a detector on data with boxes: decoded here; mAP here or by the host
-    metric: str | None = None  # what ``value`` holds: accuracy, rmse, auc, map50 (edgeq.metrics.METRICS)
+    metric: str | None = None  # what ``value`` holds: accuracy, rmse, auc, map50 (edgeq.tasks.metrics.METRICS)
 
 
 @dataclass(frozen=True)
@@ -640,9 +640,9 @@ def _scores(outputs: dict[str, np.ndarray], data: DeviceSamples, specs: list[Out
 
 
 def _detect(path: Path, outputs: dict, data: DeviceSamples, scores: Scores):
-    """A detector's outputs decoded and NMS'd here, as on the host (edgeq.detection); scored by
+    """A detector's outputs decoded and NMS'd here, as on the host (edgeq.tasks.detection); scored by
     pycocotools where this device has it, else by the host that fetches them (profile --on)."""
-    from edgeq.detection import DetectionSpec, decode, mean_average_precision
+    from edgeq.tasks.detection import DetectionSpec, decode, mean_average_precision
 
     recorded = detection_beside(path)
     if recorded is None:
@@ -681,8 +681,8 @@ def write_detections(profile: ModelProfile, path: str | Path) -> Path | None:
 
 
 def read_detections(path: str | Path) -> list:
-    """What ``write_detections`` wrote, back as one edgeq.detection.Detections per image."""
-    from edgeq.detection import Detections
+    """What ``write_detections`` wrote, back as one edgeq.tasks.detection.Detections per image."""
+    from edgeq.tasks.detection import Detections
 
     with np.load(path) as npz:
         image, boxes, scores, classes = npz["image"], npz["boxes"], npz["scores"], npz["classes"]

@@ -8,7 +8,7 @@ import os
 import sys
 import warnings
 
-from edgeq.compat import tf  # noqa: F401 - TensorFlow comes through compat, so the Keras flavour is set first
+from edgeq.models.compat import tf  # noqa: F401 - TensorFlow comes through compat, so the Keras flavour is set first
 
 
 def disable_per_channel(converter) -> None:
@@ -136,7 +136,7 @@ def keras_converter(model, static_batch: bool = False, input_shapes: dict | None
     (the Edge TPU compiler wants every shape); ``input_shapes`` ({name: shape}) fixes the None
     dimensions of a fully convolutional model.
     """
-    from edgeq.names import input_names, output_names
+    from edgeq.models.names import input_names, output_names
 
     names, outs = input_names(model), output_names(model)
     specs = []

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import importlib
 
-from edgeq.compat import tf
+from edgeq.models.compat import tf
 
-# imported after edgeq.compat (which picks the Keras flavour before TensorFlow loads)
+# imported after edgeq.models.compat (which picks the Keras flavour before TensorFlow loads)
 quant_ops = importlib.import_module("tensorflow_model_optimization.python.core.quantization.keras.quant_ops")
 
 _ORIGINAL = {"MovingAvgQuantize": quant_ops.MovingAvgQuantize, "AllValuesQuantize": quant_ops.AllValuesQuantize}

@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from edgeq.compat import keras, tf
 from edgeq.errors import DataError, UsageError
+from edgeq.models.compat import keras, tf
 from edgeq.training.objectives import Objective
 
 SPLITS = ("train", "val", "test")
@@ -45,7 +45,7 @@ def loss_name(loss) -> str:
 
 def objectives(objs: list[Objective], model) -> list[Objective]:
     """Each output's distillation objective (the task stays: convert and eval read it)."""
-    from edgeq.model_io import output_activations
+    from edgeq.models.load import output_activations
 
     activations = output_activations(model)
     return [
@@ -67,7 +67,7 @@ def check_dataset(dataset, source: str) -> None:
 
 def teacher_dataset(teacher, dataset, names: list[str], batch_size: int = 256):
     """``dataset`` with every split's targets replaced by the teacher's outputs, by output name."""
-    from edgeq.model_io import keras_outputs_in_order
+    from edgeq.models.load import keras_outputs_in_order
 
     updates = {}
     for split in SPLITS:

@@ -15,7 +15,7 @@ replicas and workers.
 
 A strategy must be set up before TensorFlow's runtime starts (logical devices and
 collective ops cannot change after), so ``edgeq train --strategy`` sets
-``EDGEQ_DEFER_RUNTIME`` before it imports edgeq.compat; ``setup`` then starts it.
+``EDGEQ_DEFER_RUNTIME`` before it imports edgeq.models.compat; ``setup`` then starts it.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def setup(name: str = "default", replicas: int | None = None, workers: str | Non
     config = cluster_config(workers, worker_index) if name == "multi-worker" else None
     if config is not None:
         os.environ["TF_CONFIG"] = json.dumps(config)
-    from edgeq import compat
+    from edgeq.models import compat
 
     tf = compat.tf
     try:

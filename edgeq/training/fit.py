@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_atomic
-from edgeq.compat import keras, tf
 from edgeq.data import load_dataset, normal_samples_for_training
 from edgeq.errors import DataError, TrainingDiverged, TrainingInterrupted, UsageError
-from edgeq.model_io import (
+from edgeq.models.compat import keras, tf
+from edgeq.models.load import (
     FP32_NAME,
     QAT_FLOAT_NAME,
     QAT_NAME,
@@ -47,9 +47,9 @@ from edgeq.model_io import (
     output_specs,
     with_input_shape,
 )
-from edgeq.tasks import predicted, score, task
+from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
+from edgeq.tasks.table import predicted, score, task
 from edgeq.training import distill, distribute, pipeline, schemes
-from edgeq.training.layer_config import LayerConfig, LayerPrecision
 from edgeq.training.objectives import check_targets, compile_for, objectives, target_plan, with_detection_targets
 from edgeq.training.observe import initialize_ranges, input_preprocessing
 from edgeq.training.schedule import Stage, make_schedule
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str  # reference model name (models/*.toml) or a .keras/.h5/SavedModel path
+    model: str  # reference model name (edgeq/models/recipes/*.toml) or a .keras/.h5/SavedModel path
     out_dir: str
     data: str | None = None  # None: the recipe's data
     epochs: int | None = None  # None: the recipe's
@@ -361,7 +361,7 @@ def restore_checkpoint(model, checkpoint_dir: Path, state: dict) -> None:
 def _resolve(config: TrainConfig):
     """Model, dataset, the effective hyper-parameters (recipe defaults filled in), the
     objectives, and why QAT distils from the FP32 model (None: it learns the labels)."""
-    from edgeq import zoo
+    from edgeq.models import zoo
 
     recipe = None
     if not is_model_path(config.model):
@@ -462,8 +462,8 @@ def _accuracy(model, dataset, split: str, batch_size: int = 256) -> float:
 
 
 def _detection_map50(model, dataset, split: str, objs, batch_size: int) -> float:
-    """A detector's COCO mAP@0.5 on a split (decoded and NMS'd as edgeq.detection does for the .tflite)."""
-    from edgeq.detection import decode, detection_spec_of, mean_average_precision
+    """A detector's COCO mAP@0.5 on a split (decoded and NMS'd as edgeq.tasks.detection does for the .tflite)."""
+    from edgeq.tasks.detection import decode, detection_spec_of, mean_average_precision
 
     if dataset.count(split) == 0:
         return float("nan")
@@ -517,7 +517,7 @@ def _stage_metric(
     model, dataset, split: str, objs, plan, batch_size: int = 256, by_keras: bool = True
 ) -> tuple[str, float]:
     """The first output's primary metric on a split: a classifier's accuracy through Keras (shared
-    across replicas), any other task's through edgeq.tasks on the split's predictions."""
+    across replicas), any other task's through edgeq.tasks.table on the split's predictions."""
     first = objs[0].spec
     if len(objs) == 1 and first.kind == "classification" and by_keras:
         return "accuracy", _accuracy(model, dataset, split, batch_size)

@@ -1,6 +1,6 @@
 """What each output of a model trains towards: its loss, its Keras metric, its targets.
 
-The task table (edgeq.tasks) says what an output is; this module turns that into a Keras
+The task table (edgeq.tasks.table) says what an output is; this module turns that into a Keras
 compile (a loss and a metric per output, in the model's output order, so that TF-MOT's
 renamed QAT layers still match), honours the loss a user's model file was compiled with,
 and says which array each output learns from: its targets, or for an autoencoder its input.
@@ -16,16 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq.compat import keras, tf
 from edgeq.errors import DataError, UsageError
-from edgeq.tasks import OutputSpec, task
+from edgeq.models.compat import keras, tf
+from edgeq.tasks.table import OutputSpec, task
 
 log = logging.getLogger(__name__)
 
 
 def masked_l1(y_true, y_pred):
     """L1 between a box head and its targets where the target's last channel (the mask) is 1:
-    only the cells that hold an object's centre learn a box (edgeq.detection.encode_centre)."""
+    only the cells that hold an object's centre learn a box (edgeq.tasks.detection.encode_centre)."""
     mask = y_true[..., -1:]
     error = tf.abs(y_true[..., :-1] - y_pred) * mask
     return tf.reduce_sum(error) / tf.maximum(tf.reduce_sum(mask), 1.0)
@@ -115,7 +115,7 @@ def _default_loss(spec: OutputSpec, probability: bool):
 
 def objectives(model, specs: list[OutputSpec], model_path=None, loss_option: str | None = None) -> list[Objective]:
     """Each output's loss: ``--loss`` wins, then the model file's compile config, then the task table's."""
-    from edgeq.model_io import output_activations
+    from edgeq.models.load import output_activations
 
     activations = output_activations(model)
     names = [s.name for s in specs]
@@ -205,7 +205,7 @@ def with_detection_targets(objs: list[Objective], dataset):
     name: the score head's centre heatmap and the box head's (dy, dx, h, w, mask), on its grid."""
     from dataclasses import replace
 
-    from edgeq.detection import encode_centre
+    from edgeq.tasks.detection import encode_centre
 
     kinds = {o.spec.kind: o.spec for o in objs}
     if "detection_boxes" not in kinds:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.compat import keras
+from edgeq.models.compat import keras
 from edgeq.quantize.configs import SAME_SCALE_LAYERS
 from edgeq.quantize.ranges import Observer, activation_range
 from edgeq.training import schemes

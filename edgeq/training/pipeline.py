@@ -17,9 +17,9 @@ import math
 
 import numpy as np
 
-from edgeq.compat import tf
 from edgeq.data import TFRECORD_IMAGE, EncodedImages, _parse_tfrecord
 from edgeq.errors import UsageError
+from edgeq.models.compat import tf
 
 AUGMENTS = ("flip", "crop")
 SHUFFLE_BUFFER = 10_000  # samples; image paths are shuffled whole (they are small)

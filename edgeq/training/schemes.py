@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from edgeq.compat import keras, tfmot
 from edgeq.errors import UnsupportedLayerError, UsageError
+from edgeq.models.compat import keras, tfmot
 from edgeq.quantize.configs import (
     CUSTOM_OBJECTS,
     SAME_SCALE_WRAPPED,
@@ -20,7 +20,7 @@ from edgeq.quantize.configs import (
     SameScaleQuantizeConfig,
     WeightsOnlyQuantizeConfig,
 )
-from edgeq.training.layer_config import LayerPrecision
+from edgeq.quantize.plan_file import LayerPrecision
 from edgeq.transforms.tfops import replace_tf_ops
 
 _q = tfmot.quantization.keras

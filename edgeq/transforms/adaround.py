@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeq.compat import tf
-from edgeq.numerics import weight_codes
+from edgeq.models.compat import tf
+from edgeq.quantize.numerics import weight_codes
 
 ADAROUND_LAYERS = ("Conv2D", "DepthwiseConv2D", "Dense")
 _ZETA, _GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch

@@ -4,7 +4,7 @@ Quantizing a layer's weights W to W_q shifts its expected output by (W_q - W) E[
 shift is the same for every input, so subtracting it from the bias removes the biased
 part of the quantization error. E[x] is each layer's mean input per channel, measured on
 calibration data; W_q is what TFLite will store (symmetric, narrow range, per channel
-or per tensor), computed with edgeq.numerics. BN must be folded first, so that the bias
+or per tensor), computed with edgeq.quantize.numerics. BN must be folded first, so that the bias
 exists and W is the deployed weight.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeq.numerics import QuantSpec, fake_quantize
+from edgeq.quantize.numerics import QuantSpec, fake_quantize
 
 _KINDS = ("Conv2D", "DepthwiseConv2D", "Dense")
 
@@ -42,7 +42,7 @@ def correct_biases(
     Layers named in ``keep`` stay float after conversion (a layer-wise plan): their weights
     are not quantized, so their biases are left alone.
     """
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     layers = [
         la

@@ -95,7 +95,7 @@ def find_pairs(model, clipped_ok: bool = False) -> list[tuple[str, str, float | 
 
 def _output_maxima(model, names: list[str], x) -> dict[str, np.ndarray]:
     """Per-channel maximum of each named layer's output on the samples x."""
-    from edgeq.compat import keras
+    from edgeq.models.compat import keras
 
     if not names:
         return {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.compat import keras
+from edgeq.models.compat import keras
 from edgeq.transforms.graph import copy_weights, rebuild
 
 _FOLDABLE = ("Conv2D", "DepthwiseConv2D", "Dense", "Conv1D")

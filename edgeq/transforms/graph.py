@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from edgeq.compat import keras, tf
+from edgeq.models.compat import keras, tf
 
 # rewrite(layer, node, args, kwargs) -> the new outputs for this call, or None to clone
 # the layer as it is. args/kwargs are the node's call arguments already mapped to the

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from edgeq.compat import keras
-from edgeq.numerics import QuantSpec, fake_quantize
+from edgeq.models.compat import keras
+from edgeq.quantize.numerics import QuantSpec, fake_quantize
 
 
 def int4_weight_copy(model, layers: list[str]):

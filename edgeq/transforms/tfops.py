@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgeq.compat import keras
+from edgeq.models.compat import keras
 from edgeq.transforms.graph import copy_weights, rebuild
 
 _ADD = {"__operators__.add", "math.add"}

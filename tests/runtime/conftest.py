@@ -60,7 +60,7 @@ def edgeq_wheel(tmp_path_factory) -> Path:
         assert (ROOT / name).is_file(), f"{name} is missing: the package cannot be built"
         shutil.copy2(ROOT / name, source / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("edgeq", "models"):
+    for name in ("edgeq",):
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, source / name, ignore=ignore)
     pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps"]

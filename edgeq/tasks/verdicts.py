@@ -5,7 +5,7 @@ plan``'s budget, ``train``'s PTQ-vs-QAT line) states the metric, both values, ho
 metric's change unit, n, and a paired bootstrap 95% interval; and refuses (NothingJudged) where the
 data cannot score the output, rather than pass.
 
-numpy only, as ``edgeq.tasks``.
+numpy only, as ``edgeq.tasks.table``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeq.errors import DataError
-from edgeq.metrics import metric
-from edgeq.tasks import OutputSpec, score, task
+from edgeq.tasks.metrics import metric
+from edgeq.tasks.table import OutputSpec, score, task
 
 RESAMPLES = 1000  # paired bootstrap resamples behind every interval edgeq prints
 

@@ -1,168 +1,30 @@
-"""Keras 3 models in, tf_keras (Keras 2) models out: what TF-MOT's QAT needs.
-
-``pip install tensorflow`` gives Keras 3 (``import keras``), but TF-MOT quantization-aware
-training only works with tf_keras. This module tells the two flavours apart (in memory and
-on disk, from the file's own metadata) and rebuilds a Keras 3 Functional or Sequential
-model as an equivalent tf_keras Functional model with the same layer names and weights.
-
-How the translation works: the Keras 3 graph is walked node by node in topological order
-(nested models are flattened into the outer graph); each built-in layer is rebuilt from its
-config (translated to what tf_keras expects) and called on the mapped tensors; raw ops on
-KerasTensors (``x + 3``, ``a * b``, ``keras.ops.hard_sigmoid``...) become equivalent
-built-in tf_keras layers (Add/Subtract/Multiply, Rescaling, ReLU, Activation), never Lambda
-layers. Weights are then copied layer by layer, matched by name and checked by shape.
-"""
+"""Keras 3 model -> tf_keras twin, so TF-MOT can wrap it; checked output for output."""
 
 from __future__ import annotations
 
 import inspect
-import json
-import os
 import time
-import zipfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgeq.compat import keras as tf_keras
-from edgeq.compat import tf
 from edgeq.errors import ModelLoadError, UnsupportedLayerError
-
-__all__ = [
-    "KERAS3",
-    "TF_KERAS",
-    "SAVEDMODEL",
-    "Translation",
-    "keras_flavour_of_file",
-    "is_keras3_model",
-    "to_tf_keras",
-    "translate",
-    "max_abs_difference",
-]
-
-KERAS3 = "keras3"
-TF_KERAS = "tf_keras"
-SAVEDMODEL = "savedmodel"
-
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-_WHAT_TO_DO = (
-    "rebuild them with built-in Keras layers, or convert the model post-training with "
-    "edgeq convert (PTQ works on Keras 3 models directly)"
+from edgeq.models.compat import keras as tf_keras
+from edgeq.models.compat import tf
+from edgeq.models.keras3 import _WHAT_TO_DO, _keras3, is_keras3_model
+from edgeq.models.translate_layers import (
+    _accepted_kwargs,
+    _activation_name,
+    _Expanded,
+    _Layer,
+    _Merge,
+    _neutral,
+    _OneTensor,
+    _policy_name,
+    _snake,
+    _Unsupported,
 )
-
-
-# --------------------------------------------------------------------------------------
-# Which Keras wrote this file?
-# --------------------------------------------------------------------------------------
-
-
-def _flavour_of_version(version: Any, where: str) -> str:
-    if isinstance(version, bytes):
-        version = version.decode("utf-8", "replace")
-    text = str(version).strip()
-    try:
-        major = int(text.split(".")[0])
-    except ValueError:
-        raise ModelLoadError(f"{where}: keras_version {text!r} is not a version number") from None
-    return KERAS3 if major >= 3 else TF_KERAS
-
-
-def keras_flavour_of_file(path: str | os.PathLike) -> str:
-    """Which Keras wrote a model file: ``"keras3"``, ``"tf_keras"`` or ``"savedmodel"``.
-
-    Reads only the file's own metadata (``metadata.json`` in a ``.keras`` zip, the root
-    ``keras_version`` attribute of an ``.h5`` file, ``saved_model.pb`` in a folder); never
-    loads the model. Raises ModelLoadError, in one line, for anything else.
-    """
-    p = Path(path)
-    name = str(path)
-    if p.is_dir():
-        if (p / "saved_model.pb").is_file():
-            return SAVEDMODEL
-        raise ModelLoadError(f"{name}: a folder without saved_model.pb, not a SavedModel")
-    if not p.exists():
-        raise ModelLoadError(f"{name}: no such file or folder")
-    if p.name == "saved_model.pb":
-        raise ModelLoadError(f"{name}: give the SavedModel folder ({p.parent}), not saved_model.pb")
-    suffix = p.suffix.lower()
-    if suffix == ".keras":
-        return _flavour_of_keras_zip(p, name)
-    if suffix in (".h5", ".hdf5"):
-        return _flavour_of_h5(p, name)
-    raise ModelLoadError(f"{name}: not a Keras model (.keras, .h5 or a SavedModel folder)")
-
-
-def _flavour_of_keras_zip(p: Path, name: str) -> str:
-    if not zipfile.is_zipfile(p):
-        with open(p, "rb") as f:
-            head = f.read(8)
-        if head == _HDF5_SIGNATURE:
-            raise ModelLoadError(f"{name}: an HDF5 file named .keras; rename it to .h5")
-        raise ModelLoadError(f"{name}: not a zip file, not a Keras file")
-    try:
-        with zipfile.ZipFile(p) as z:
-            names = set(z.namelist())
-            if "metadata.json" not in names:
-                raise ModelLoadError(f"{name}: a zip without metadata.json, not a Keras file")
-            raw = z.read("metadata.json")
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise ModelLoadError(f"{name}: unreadable zip ({exc})") from None
-    try:
-        metadata = json.loads(raw)
-    except ValueError:
-        raise ModelLoadError(f"{name}: metadata.json is not valid JSON") from None
-    if not isinstance(metadata, dict) or "keras_version" not in metadata:
-        raise ModelLoadError(f"{name}: metadata.json has no keras_version, not a Keras file")
-    if "config.json" not in names:
-        raise ModelLoadError(f"{name}: a zip without config.json (weights only?), not a Keras model")
-    return _flavour_of_version(metadata["keras_version"], name)
-
-
-def _flavour_of_h5(p: Path, name: str) -> str:
-    import h5py
-
-    with open(p, "rb") as f:
-        head = f.read(8)
-    if head != _HDF5_SIGNATURE:
-        kind = "a zip file (a .keras file?)" if head[:2] == b"PK" else "not an HDF5 file"
-        raise ModelLoadError(f"{name}: {kind}, not an .h5 Keras model")
-    try:
-        with h5py.File(p, "r") as h:
-            attrs = dict(h.attrs)
-    except OSError as exc:
-        raise ModelLoadError(f"{name}: unreadable HDF5 file ({exc})") from None
-    if "keras_version" not in attrs:
-        raise ModelLoadError(f"{name}: an HDF5 file without keras_version, not a Keras model")
-    if "model_config" not in attrs:
-        raise ModelLoadError(f"{name}: an HDF5 file with weights only (no model_config), not a Keras model")
-    return _flavour_of_version(attrs["keras_version"], name)
-
-
-# --------------------------------------------------------------------------------------
-# In-memory models
-# --------------------------------------------------------------------------------------
-
-
-def _keras3():
-    """Keras 3 itself, or None where only tf_keras is installed."""
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - tensorflow always brings keras 3 now
-        return None
-    version = getattr(keras, "__version__", "0")
-    if int(version.split(".")[0]) < 3:  # pragma: no cover - a Keras 2 install
-        return None
-    return keras
-
-
-def is_keras3_model(obj: Any) -> bool:
-    """True for a Keras 3 model object (``keras.Model``), False for tf_keras and the rest."""
-    if isinstance(obj, tf_keras.Model):
-        return False
-    keras = _keras3()
-    return keras is not None and isinstance(obj, keras.Model)
 
 
 @dataclass(frozen=True)
@@ -230,10 +92,6 @@ def max_abs_difference(keras3_model: Any, tf_keras_model: Any, batch: int = 2, s
     )
 
 
-# --------------------------------------------------------------------------------------
-# Translation
-# --------------------------------------------------------------------------------------
-
 # Keras 3 activation names that mean exactly the same function in tf_keras.
 _SAME_ACTIVATIONS = {
     "linear": "linear",
@@ -254,77 +112,15 @@ _SAME_ACTIVATIONS = {
     "softmax": "softmax",
     "log_softmax": "log_softmax",
 }
+
+
 # Keras 3 activations tf_keras lacks (or defines differently: its hard_sigmoid is
 # 0.2x+0.5), rebuilt from Rescaling/ReLU/Multiply layers.
 _EXPANDED_ACTIVATIONS = {"hard_sigmoid": "hard_sigmoid", "hard_silu": "hard_swish", "hard_swish": "hard_swish"}
 
-# Layer keyword arguments every tf_keras layer accepts (base Layer).
-_BASE_LAYER_KWARGS = {
-    "name",
-    "trainable",
-    "dtype",
-    "dynamic",
-    "input_dim",
-    "input_shape",
-    "batch_input_shape",
-    "batch_size",
-    "weights",
-    "activity_regularizer",
-    "autocast",
-    "implementation",
-}
+
 # Keras 3 config keys renamed in tf_keras, per class.
 _RENAMED_KEYS = {"LeakyReLU": {"negative_slope": "alpha"}}
-
-
-class _Unsupported(Exception):
-    """One layer or op that cannot be translated (collected, then reported together)."""
-
-
-def _neutral(value: Any) -> bool:
-    """A config value that means 'feature off' (safe to drop when tf_keras lacks it)."""
-    return value is None or value is False or (isinstance(value, (int, float)) and value == 0) or value in ((), [], {})
-
-
-def _accepted_kwargs(cls: type) -> set[str]:
-    """Keyword names a tf_keras layer class's constructor chain accepts."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass is tf_keras.layers.Layer or klass is object:
-            break
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        params = inspect.signature(init).parameters
-        names.update(n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            return names - {"self"}
-    return (names | _BASE_LAYER_KWARGS) - {"self"}
-
-
-def _policy_name(value: Any) -> Any:
-    if isinstance(value, dict):
-        cfg = value.get("config") or {}
-        name = cfg.get("name") or value.get("class_name")
-        if value.get("class_name") not in ("DTypePolicy", "FloatDTypePolicy", "Policy") or not isinstance(name, str):
-            raise _Unsupported(f"dtype policy {value.get('class_name')} has no tf_keras equivalent")
-        return name
-    return value
-
-
-def _activation_name(value: Any) -> str:
-    if callable(value):
-        value = getattr(value, "__name__", repr(value))
-    if isinstance(value, dict):  # a serialized function: only Keras' own by name
-        if value.get("class_name") == "function" and str(value.get("module", "")).startswith("keras"):
-            value = value.get("config")
-        else:
-            raise _Unsupported(f"custom activation {value.get('config', value.get('class_name'))!r}")
-    if value is None:
-        return "linear"
-    if not isinstance(value, str):
-        raise _Unsupported(f"activation {value!r} cannot be translated")
-    return value
 
 
 class _Translator:
@@ -727,75 +523,3 @@ class _Translator:
                 values.append(value)
             if values:
                 new.set_weights(values)
-
-
-def _snake(name: str) -> str:
-    out = []
-    for i, ch in enumerate(name):
-        if ch.isupper() and i:
-            out.append("_")
-        out.append(ch.lower())
-    return "".join(out)
-
-
-class _Layer:
-    """A rebuilt tf_keras layer, called like the Keras 3 layer was (plus an optional tail)."""
-
-    def __init__(self, layer: Any, post: Any):
-        self.layer = layer
-        self.post = post
-        params = inspect.signature(layer.call).parameters
-        self._any_kwarg = any(p.kind == p.VAR_KEYWORD for p in params.values())
-        self._kwargs = set(params)
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        if not self._any_kwarg:  # e.g. a training= handed down from a flattened model
-            kwargs = {k: v for k, v in kwargs.items() if k in self._kwargs or k not in ("training", "mask")}
-        out = self.layer(*args, **kwargs)
-        return self.post((out,), {}) if self.post is not None else out
-
-
-class _Merge:
-    """tensor (op) tensor as an Add/Subtract/Multiply layer."""
-
-    def __init__(self, layer: Any):
-        self.layer = layer
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        return self.layer(list(args))
-
-
-class _OneTensor:
-    """tensor (op) constant as a Rescaling layer."""
-
-    def __init__(self, layer: Any, index: int):
-        self.layer = layer
-        self.index = index
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        return self.layer(args[self.index])
-
-
-class _Expanded:
-    """hard_sigmoid(x) = ReLU6(x + 3) / 6 and hard_swish(x) = x * hard_sigmoid(x), as layers."""
-
-    def __init__(self, translator: _Translator, kind: str, base: str, final: str | None):
-        fresh = translator._fresh
-        sigmoid_name = final if (kind == "hard_sigmoid" and final) else None
-        swish_name = final if (kind == "hard_swish" and final) else None
-        if final:
-            translator.used_names.add(final)
-        self.kind = kind
-        self.shift = tf_keras.layers.Rescaling(1.0, offset=3.0, name=fresh(f"{base}_plus3"))
-        self.relu6 = tf_keras.layers.ReLU(max_value=6.0, name=fresh(f"{base}_relu6"))
-        self.scale = tf_keras.layers.Rescaling(
-            1.0 / 6.0, name=sigmoid_name or fresh(f"{base}_div6" if kind == "hard_swish" else base)
-        )
-        self.multiply = None
-        if kind == "hard_swish":
-            self.multiply = tf_keras.layers.Multiply(name=swish_name or fresh(base))
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        x = args[0]
-        y = self.scale(self.relu6(self.shift(x)))
-        return self.multiply([x, y]) if self.multiply is not None else y

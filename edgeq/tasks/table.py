@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from edgeq.errors import DataError, UsageError
-from edgeq.metrics import Metric, OutputComparison, class_scores, compare_outputs, metric
+from edgeq.tasks.metrics import Metric, OutputComparison, class_scores, compare_outputs, metric
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Task:
     targets: str  # what the data gives for this output
     loss: str  # Keras loss for training (edgeq train)
     metrics: tuple[str, ...]  # what ``score`` reports
-    primary: str  # the metric a budget (--max-drop) reads: its row of edgeq.metrics.METRICS says its unit,
+    primary: str  # the metric a budget (--max-drop) reads: its row of edgeq.tasks.metrics.METRICS says its unit,
     # direction and how a change in it is written
     classes: bool  # outputs are class scores: top-1 agreement is meaningful
     keras_metric: str | None = None  # what Keras shows while edgeq train fits it
@@ -98,7 +98,7 @@ TASKS: dict[str, Task] = {
     ),
     "detection_boxes": Task(
         "detection_boxes",
-        "a detector's box head (edgeq.detection decodes it with the score head; judged together by mAP)",
+        "a detector's box head (edgeq.tasks.detection decodes it with the score head; judged together by mAP)",
         "gt_boxes and gt_classes (the detection's ground truth)",
         "masked_l1",
         (),

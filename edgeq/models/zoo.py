@@ -1,4 +1,4 @@
-"""Registry of reference Keras architectures and their recipes (``models/*.toml``).
+"""Registry of reference Keras architectures and their recipes (``edgeq/models/recipes/*.toml``).
 
 Builders are Keras 2 (tf_keras) functional models by default (Keras 3 on request) made only of layers TF-MOT can
 quantize: convolutions without bias before BatchNormalization, ReLU/ReLU6 layers, Add.
@@ -36,7 +36,7 @@ class Recipe:
     qat_learning_rate: float = 1e-4
     max_drop_pp: float = 1.0
     fp32_min_accuracy: float = 0.0
-    task: str | None = None  # what the model's output is (edgeq.tasks); None: inferred from the data
+    task: str | None = None  # what the model's output is (edgeq.tasks.table); None: inferred from the data
 
 
 # Small datasets give few steps per epoch: with Keras' default momentum (0.99) the moving
@@ -47,7 +47,7 @@ BN_MOMENTUM = 0.9
 def _layers(keras_module=None):
     """The Keras that builds: tf_keras by default, or the module given (``keras`` for Keras 3)."""
     if keras_module is None:
-        from edgeq.compat import keras as keras_module
+        from edgeq.models.compat import keras as keras_module
     return keras_module, keras_module.layers
 
 
@@ -151,7 +151,7 @@ def centre_detector(input_shape=(96, 96, 3), num_classes=3, alpha: float = 0.35,
     """A single-shot detector small enough to train on 2 cores in minutes: MobileNetV2 (alpha 0.35,
     random init) up to stride 8, one Conv-BN-ReLU, then two heads kept apart (each gets its own
     int8 scale): ``scores`` (S, S, K) per-class centre probabilities and ``boxes`` (S, S, 4) = the
-    centre within its cell and the size as a fraction of the image, both sigmoid (edgeq.detection,
+    centre within its cell and the size as a fraction of the image, both sigmoid (edgeq.tasks.detection,
     layout ``centre``). Decoding and NMS run outside the int8 graph, in edgeq."""
     keras, L = _layers(keras_module)
     backbone = keras.applications.MobileNetV2(
@@ -181,11 +181,13 @@ ARCHITECTURES: dict[str, Callable[..., Any]] = {
 
 
 def list_recipes() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files("edgeq.models").iterdir() if p.name.endswith(".toml"))
+    return sorted(
+        p.name[:-5] for p in resources.files("edgeq.models").joinpath("recipes").iterdir() if p.name.endswith(".toml")
+    )
 
 
 def load_recipe(name: str) -> Recipe:
-    file = resources.files("edgeq.models").joinpath(f"{name}.toml")
+    file = resources.files("edgeq.models").joinpath("recipes", f"{name}.toml")
     if not file.is_file():
         raise UsageError(f"no reference model {name!r}; choose one of: {', '.join(list_recipes())}, or a model file")
     raw = tomllib.loads(file.read_text())

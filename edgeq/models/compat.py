@@ -3,7 +3,7 @@
 TF-MOT works only with Keras 2 (``tf_keras``), and TensorFlow picks its Keras at first
 import, so ``TF_USE_LEGACY_KERAS=1`` must be set before anything imports TensorFlow.
 Every host-side module gets TensorFlow, Keras and TF-MOT from here; loading models is
-``edgeq.model_io``'s job.
+``edgeq.models.load``'s job.
 
 Importing this module from a program leaves the program's stderr and logging alone. The
 ``edgeq`` command sets ``EDGEQ_QUIET_TF=1`` first: TensorFlow then starts with fd 2 pointed

@@ -13,10 +13,11 @@ import json
 import os
 from pathlib import Path
 
-from edgeq.compat import keras
 from edgeq.errors import ModelLoadError
-from edgeq.keras3 import is_keras3_model, keras_flavour_of_file, to_tf_keras
-from edgeq.names import input_names, output_names, producer_of
+from edgeq.models.compat import keras
+from edgeq.models.keras3 import is_keras3_model, keras_flavour_of_file
+from edgeq.models.names import input_names, output_names, producer_of
+from edgeq.models.translate import to_tf_keras
 from edgeq.quantize.configs import quantize_scope
 
 # The files of a training run (edgeq train --out DIR).
@@ -367,12 +368,12 @@ def compiled_tasks(path, names: list[str]) -> dict[str, tuple[str, bool]]:
 
 
 def output_specs(model, declared: str | None = None, source_path=None, dataset=None) -> list:
-    """What each output of ``model`` is (edgeq.tasks.OutputSpec), in the model's order.
+    """What each output of ``model`` is (edgeq.tasks.table.OutputSpec), in the model's order.
 
     ``--task`` (declared) wins, then what the training run recorded (run.json ``outputs``),
     then the output's activation and shape with the data's targets (val split).
     """
-    from edgeq.tasks import load_task_spec, specs_for
+    from edgeq.tasks.table import load_task_spec, specs_for
 
     names = output_names(model)
     record = run_record_for(source_path) if source_path else None

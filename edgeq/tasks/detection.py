@@ -62,7 +62,7 @@ class DetectionSpec:
 
 
 def detection_spec_of(specs) -> DetectionSpec | None:
-    """The DetectionSpec of outputs (edgeq.tasks.OutputSpec) that include a box and a score head; else None.
+    """The DetectionSpec of outputs (edgeq.tasks.table.OutputSpec) that include a box and a score head; else None.
 
     A box head of (S, S, 4) is the ``centre`` layout, one of (A, 4) the ``plain`` one.
     """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeq.errors import DataError
-from edgeq.numerics import sqnr_db
+from edgeq.quantize.numerics import sqnr_db
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,0 @@
-"""Reference-model recipes (TOML), shipped inside the package as ``edgeq.models``."""
