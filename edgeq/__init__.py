@@ -14,18 +14,39 @@ functions are loaded on first use, and each loads its stage (TensorFlow with it)
 
 from __future__ import annotations
 
+import sys
+import types
+
 __version__ = "0.1.0"
 __all__ = ["train", "convert", "evaluate", "analyze", "profile", "push", "verify", "report", "__version__"]
 
 _API = frozenset(__all__) - {"__version__"}
 
 
-def __getattr__(name: str):
-    if name in _API:
+def _public(name: str) -> property:
+    """``edgeq.<name>`` is always the public function, also once the stage package of the same
+    name (``edgeq/convert/`` ...) is imported: the import system binds a loaded subpackage to its
+    parent's attribute, and this setter declines that (the package stays in ``sys.modules``)."""
+
+    def get(module):
         from edgeq import api
 
         return getattr(api, name)
-    raise AttributeError(f"module 'edgeq' has no attribute {name!r}")
+
+    def put(module, value):
+        if not isinstance(value, types.ModuleType):
+            raise AttributeError(f"edgeq.{name} is edgeq's public function; it cannot be replaced")
+
+    return property(get, put, doc=f"edgeq.api.{name}")
+
+
+class _Edgeq(types.ModuleType):
+    """The ``edgeq`` package, whose public functions share their names with its stage packages."""
+
+
+for _name in _API:
+    setattr(_Edgeq, _name, _public(_name))
+sys.modules[__name__].__class__ = _Edgeq
 
 
 def __dir__() -> list[str]:

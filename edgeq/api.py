@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the result types, for readers and type checkers; not imported at run time
     from edgeq.analysis.plan import PlanResult
     from edgeq.analysis.sensitivity import SensitivityReport
-    from edgeq.conversion import ConversionResult
+    from edgeq.convert.options import ConversionResult
     from edgeq.evaluation import EvalResult
     from edgeq.fleet.remote import DeviceOutcome, VerifyResult
     from edgeq.reporting.build import ReportResult
@@ -64,7 +64,7 @@ def convert(model: Any, out: str | Path | None = None, **options: Any) -> Conver
         model: a Keras model object or a .keras/.h5/SavedModel path (a QAT model from ``train``
             needs no calibration data).
         out: the .tflite path; None: beside the model, named by the mode.
-        **options: any field of :class:`edgeq.conversion.ConvertOptions` (``mode="int8-only"``,
+        **options: any field of :class:`edgeq.convert.options.ConvertOptions` (``mode="int8-only"``,
             ``calib="digits"``, ``plan=...``, ``weight_bits=4``, ``rounding="adaround"``, ...).
 
     Returns:
@@ -75,8 +75,8 @@ def convert(model: Any, out: str | Path | None = None, **options: Any) -> Conver
         ConversionError: the converter failed, or verification did not pass (nothing is written).
         IntegerOnlyError: float ops left in an integer-only model.
     """
-    from edgeq.conversion import ConvertOptions
-    from edgeq.conversion import convert as run
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert as run
 
     return run(model, out, ConvertOptions(**options))
 

@@ -21,10 +21,10 @@ from edgeq.errors import EdgeqError
 # lists every command without importing any of them.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("edgeq.commands.train", "train", "FP32 training, then quantization-aware fine-tuning (TF-MOT)."),
-    "convert": ("edgeq.commands.convert", "convert", "Convert a Keras model to a verified TFLite model."),
+    "convert": ("edgeq.convert.cli", "convert", "Convert a Keras model to a verified TFLite model."),
     "eval": ("edgeq.commands.eval", "eval_command", "Compare a quantized model with its FP32 reference."),
     "analyze": ("edgeq.commands.analyze", "analyze", "Weight statistics, layer sensitivity, budgeted precision plans."),
-    "data": ("edgeq.commands.data", "data", "Look at datasets and export splits to .npz for devices."),
+    "data": ("edgeq.data.cli", "data", "Look at datasets and export splits to .npz for devices."),
     "profile": (
         "edgeq.commands.profile",
         "profile",

@@ -121,7 +121,7 @@ def evaluate(
 
     ``max_drop_pp`` is the budget for every output's primary metric, in its task's unit.
     """
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
 
     model, reference = Path(model), Path(reference)
     for path in (model, reference):

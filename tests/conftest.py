@@ -52,7 +52,8 @@ def digits_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def digits_int8(digits_run):
     """The QAT model converted with --int8-only."""
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
 
     return convert(digits_run.qat_model, digits_run.out_dir / "digits_int8.tflite", ConvertOptions(mode="int8-only"))
 

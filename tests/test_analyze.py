@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from edgeq.data import load_dataset
+from edgeq.data.sources import load_dataset
 from edgeq.evaluation import evaluate
 from edgeq.models.compat import keras
 from edgeq.training.fit import _compile
@@ -255,7 +255,8 @@ def test_blockwise_int4_says_which_weights_stayed_float(cli, digits_run, tmp_pat
 
 
 def test_qat_4bit_export_stores_packed_int4_weights(digits_run, finetune, tmp_path):
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.runtime.flatbuffer import bytes_by_dtype, read_tflite, tensors_by_dtype
 
     run = finetune(tmp_path / "w4", qat_epochs=1, weight_bits=4)
@@ -270,7 +271,8 @@ def test_qat_4bit_export_stores_packed_int4_weights(digits_run, finetune, tmp_pa
 
 @pytest.mark.parametrize("granularity", ["per-tensor", "per-channel"])
 def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granularity):
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models.load import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
 
@@ -288,7 +290,8 @@ def test_bias_correction_reduces_int8_output_error(digits_run, tmp_path, granula
 
 
 def test_equalize_reduces_int8_output_error_on_unbalanced_channels(outlier_model, tmp_path):
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models.load import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
 
@@ -342,7 +345,8 @@ def test_int4_plan_feeds_qat_which_exports_packed_int4_exactly_there(cli, digits
         out,
     )
     assert trained.exit_code == 0, trained.output
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.runtime.flatbuffer import read_tflite, tensors_by_dtype
 
     tfl = convert(out / "qat.h5", tmp_path / "mixed.tflite", ConvertOptions(mode="int8-only"))

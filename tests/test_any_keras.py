@@ -136,7 +136,8 @@ def mobilenetv3_like_block():
 
 
 def test_mobilenetv3_parts_qat_convert_integer_only(tmp_path):
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.training.schemes import QuantSettings, build_qat_model, float_layers
 
     model = mobilenetv3_like_block()
@@ -200,7 +201,8 @@ def test_model_qat_cannot_take_fails_before_training(cli, tmp_path, kind):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_keras3_architecture_qat_int8_only_passes_verification(tmp_path, arch):
     """The issue's table: a Keras 3 keras.applications model -> 1-epoch QAT -> integer-only, verified."""
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.training.fit import TrainConfig, train
 
     path = tmp_path / f"{arch}.keras"
@@ -225,7 +227,8 @@ ZOO_KERAS3 = [
 @pytest.mark.parametrize("arch, shape, data", ZOO_KERAS3)
 def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, arch, shape, data):
     """Keras 3 zoo model: translation within 1e-5, 1-epoch QAT, integer-only int8 that passes verification."""
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models import zoo
     from edgeq.models.translate import to_tf_keras
     from edgeq.training.fit import TrainConfig, train
@@ -254,7 +257,8 @@ def test_input_preprocessing_ranges_come_from_the_data_so_qat_does_not_collapse(
     and training-mode batch norms blow the gradients up to NaN (Keras 3 EfficientNetB0
     diverged in its second QAT batch). edgeq sets those ranges from data.
     """
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models.load import load_keras_model
     from edgeq.training.fit import TrainConfig, train
     from edgeq.training.observe import suffix

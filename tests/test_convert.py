@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from edgeq.commands.convert import MODE_FLAGS
-from edgeq.conversion import MODES, ConvertOptions, Mode, convert
+from edgeq.convert.cli import MODE_FLAGS
+from edgeq.convert.options import MODES, ConvertOptions, Mode
+from edgeq.convert.run import convert
 from edgeq.errors import IntegerOnlyError, UsageError
 from edgeq.models.compat import keras, tf
 from edgeq.runtime.interpreter import TFLiteModel
@@ -182,6 +183,7 @@ def test_bias_correction_is_refused_for_weights_it_does_not_correct(option):
 
 def test_every_mode_names_an_exporter():
     """The mode table drives the export: each row's backend is a function of EXPORTERS."""
-    from edgeq.conversion import EXPORTERS, MODES
+    from edgeq.convert.options import MODES
+    from edgeq.convert.run import EXPORTERS
 
     assert {spec.backend for spec in MODES.values()} == set(EXPORTERS)

@@ -3,7 +3,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeq.data import load_dataset
+from edgeq.data.sources import load_dataset
 from edgeq.errors import DataError
 
 
@@ -109,7 +109,7 @@ def test_image_folder_is_listed_now_and_decoded_only_when_read(tmp_path):
     np.testing.assert_array_equal(d.x_test[0], expected)
     # the recorded hash is the hash of the decoded samples, read in chunks
     chunked = d.fingerprint()
-    from edgeq.data import Dataset
+    from edgeq.data.splits import Dataset
 
     eager = Dataset(d.source, d.x_train, d.y_train, d.x_val, d.y_val, d.x_test, d.y_test, 3, d.normalization)
     assert chunked == eager.fingerprint()
@@ -145,7 +145,7 @@ def test_tfrecord_source_reads_the_images_an_image_folder_holds(tmp_path):
     for split in ("train", "val", "test"):
         np.testing.assert_array_equal(records.split(split)[0], folder.split(split)[0])
         np.testing.assert_array_equal(records.split(split)[1], folder.split(split)[1])
-    from edgeq.data import Dataset
+    from edgeq.data.splits import Dataset
 
     eager = Dataset(records.source, *(a for s in ("train", "val", "test") for a in records.split(s)), 3)
     assert records.fingerprint() == eager.fingerprint()  # the hash streams the records once, in order

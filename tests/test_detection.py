@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeq.data import load_dataset
+from edgeq.data.sources import load_dataset
 from edgeq.errors import DataError
 from edgeq.tasks.detection import (
     Detections,

@@ -17,7 +17,7 @@ from tests.conftest import assert_one_line_error
 @pytest.fixture(scope="module")
 def unlabelled(tmp_path_factory):
     """The digits samples as a user without labels holds them: an .npz of x only."""
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
 
     d = load_dataset("digits")
     path = tmp_path_factory.mktemp("unlabelled") / "x.npz"

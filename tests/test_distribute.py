@@ -76,7 +76,8 @@ def one_worker(tmp_path_factory):
 
 
 def _int8(run_dir):
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
 
     return convert(run_dir / "qat.h5", run_dir / "int8.tflite", ConvertOptions(mode="int8-only")).path
 

@@ -35,7 +35,8 @@ def test_quantize_rounds_as_litert_itself_does(digits_run, tmp_path):
     exact halves included (to even); LiteRT's reference kernel rounds halves away from zero."""
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
 
     out = tmp_path / "float_io.tflite"
     convert(digits_run.fp32_model, out, ConvertOptions(mode="int8", calib="digits"))
@@ -72,8 +73,8 @@ def test_quantize_rounds_as_litert_itself_does(digits_run, tmp_path):
 
 def _inputs_of_every_consumer(model_path, run_qat_model, data_file):
     """The model-input bytes each consumer would feed for ``data_file`` (test split where it splits)."""
-    from edgeq.conversion import _calibration
-    from edgeq.data import load_dataset
+    from edgeq.convert.converter import _calibration
+    from edgeq.data.sources import load_dataset
     from edgeq.fleet.remote import quantized_inputs
     from edgeq.runtime.inputs import normalization_beside
     from edgeq.runtime.interpreter import TFLiteModel, quantize
@@ -163,7 +164,7 @@ def test_one_npz_means_the_same_on_the_host_and_on_the_device(digits_int8, digit
     grey images: the host's reader (eval, calibration) and the device's (profile, verify) take
     each file the same way, sample for sample (before, the host read int8 codes as float values
     and crashed on one-hot labels, while the device took both)."""
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.runtime.inputs import normalization_beside
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import load_npz as device_reader

@@ -37,11 +37,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.training",),
     ("edgeq.quantize",),  # the engine: calibration, PTQ, TFLite passes, mixed precision
     ("edgeq.evaluation",),
-    ("edgeq.conversion",),
+    ("edgeq.convert",),
     ("edgeq.analysis",),
     ("edgeq.fleet",),
     ("edgeq.reporting",),
-    ("edgeq.commands",),
+    ("edgeq.commands", "edgeq.data.cli", "edgeq.convert.cli"),
     ("edgeq.cli", "edgeq.__main__", "edgeq.api"),
 ]
 ROOTS = {"edgeq", "edgeq.shims"}  # `edgeq` holds __version__ and the public names (edgeq.api, loaded lazily)
@@ -206,7 +206,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     """The checks themselves: a device module that imports TensorFlow, an upward import, a cycle."""
     fake = tmp_path / "edgeq" / "runtime"
     fake.mkdir(parents=True)
-    (fake / "bad.py").write_text("def f():\n    import tensorflow as tf\n    from edgeq.conversion import convert\n")
+    (fake / "bad.py").write_text("def f():\n    import tensorflow as tf\n    from edgeq.convert.run import convert\n")
     global PACKAGE, MODULES
     saved = PACKAGE, MODULES
     try:
@@ -214,8 +214,8 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
         MODULES = {"edgeq.runtime.bad": fake / "bad.py"}
         found = device_violations(MODULES)
         assert any("imports tensorflow" in line for line in found)
-        assert any("imports edgeq.conversion" in line for line in found)
-        assert layer_violations({"edgeq.runtime.bad": [("edgeq.conversion", 3)]})
+        assert any("imports edgeq.convert.run" in line for line in found)
+        assert layer_violations({"edgeq.runtime.bad": [("edgeq.convert.run", 3)]})
     finally:
         PACKAGE, MODULES = saved
     assert cycles({"a": [("b", 1)], "b": [("a", 1)], "c": [("a", 1)]}) == [["a", "b"]]

@@ -95,7 +95,7 @@ def _int8_only_with_ranges(model, x_cal, ranges, method):
 
 
 def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digits_run):
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_keras_model
     from edgeq.quantize.calibration import ActivationRanges
     from edgeq.runtime.interpreter import TFLiteModel
@@ -118,7 +118,7 @@ def test_clipping_methods_beat_minmax_on_a_model_calibrated_with_an_outlier(digi
 
 
 def test_the_chosen_ranges_are_the_ranges_in_the_tflite(digits_run):
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.compat import tf
     from edgeq.models.load import load_keras_model
     from edgeq.quantize.calibration import ActivationRanges
@@ -155,7 +155,7 @@ def test_ptq_auto_keeps_the_best_candidate_and_records_every_one(cli, digits_run
     assert manifest["verification"]["integer_only"]
     # The choice is made on one half of val, verification gates and records on the other: the
     # winner's SQNR on the samples that chose it is not what the manifest reports as verified.
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_keras_model
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.tasks.metrics import compare_outputs
@@ -248,8 +248,9 @@ def _int8_kernels(path):
 
 
 def test_chosen_rounding_reaches_the_tflite_as_those_int8_values(digits_run, tmp_path):
-    from edgeq.conversion import ConvertOptions, convert
-    from edgeq.data import load_dataset
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_keras_model
     from edgeq.quantize.ptq import choose_weights
 
@@ -358,7 +359,7 @@ def _hot_pixel_digits(samples=128):
     """digits where one of the ``samples`` calibration samples has a hot pixel (the rest are in [0, 1])."""
     from dataclasses import replace
 
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
 
     d = load_dataset("digits")
     x = d.x_train.copy()
@@ -417,7 +418,8 @@ def test_concatenations_get_one_range_so_the_converter_adds_no_requantization(tm
     int8 kernels of these want one scale on all their tensors. edgeq's ranges (here percentile)
     replace the converter's calibrated min/max tensor by tensor, and the converter's quantizer
     then gives the chain one scale as it does for its own: no QUANTIZE op (a second rounding)."""
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models.compat import keras
     from edgeq.runtime.flatbuffer import read_tflite
 
@@ -463,7 +465,8 @@ def test_an_average_pooling_into_a_concatenation_gets_the_converters_ranges(tmp_
     gives the chain one range and the conv before the pooling the pooling's narrower range,
     as the converter's own calibration does: no QUANTIZE op, and the same scales as the
     converter's minmax (before, the conv's own wider range widened the chain by 19%)."""
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models.compat import keras
 
     layers = keras.layers
@@ -523,7 +526,8 @@ def test_hard_swish_becomes_add_mul_so_xnnpack_runs_the_model_in_one_partition(t
     within 2 output steps of the fused op's. A conversion that keeps HARD_SWISH fails here."""
     from ai_edge_litert.interpreter import Interpreter
 
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.quantize.passes import unfuse_hard_swish
 
     model = _mobilenet_v3_like()
@@ -650,8 +654,9 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
     int8 tensor of the two models has the same scale and zero point (from the CLI also on
     keras.applications MobileNetV2 and a Keras 3 MobileNetV3Small: no scale differs). An int16
     plan's mixed model observes the same tensors with the same observers for LiteRT Quantizer."""
-    from edgeq.conversion import ConvertOptions, convert
-    from edgeq.data import load_dataset
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
+    from edgeq.data.sources import load_dataset
     from edgeq.models.compat import keras
     from edgeq.quantize.calibration import calibrate
     from edgeq.runtime.flatbuffer import read_tflite
@@ -712,7 +717,8 @@ def test_analyze_ranges_and_convert_ptq_build_the_same_quantized_model(tmp_path,
 def test_w4a8_names_the_kernels_it_leaves_to_the_converter(tmp_path):
     """edgeq chooses the codes of Conv2D, DepthwiseConv2D and Dense kernels; any other kernel (here a
     Conv1D's) keeps the converter's 8-bit min/max weights, and the manifest and note say which."""
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models.compat import keras
     from edgeq.runtime.flatbuffer import read_tflite
 
@@ -740,7 +746,8 @@ def test_the_converters_calibration_records_a_residual_branch_with_the_sums_rang
     int8 step in the converted model. edgeq observes every tensor in an interpreter that keeps each
     one: --ptq minmax gives b its own range. (Here b's step barely matters next to the sum's: the
     two models' SQNR is the same; on a trained MobileNetV3Small too, 13.8 dB on 1199 test samples.)"""
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models.compat import keras
     from edgeq.quantize.calibration import ActivationRanges
     from edgeq.runtime.flatbuffer import read_tflite

@@ -126,7 +126,8 @@ def test_outputs_the_converter_reorders_are_matched_by_name(tmp_path):
     """tf_keras model with three heads of one shape: the .tflite lists its output tensors in another
     order than the model (checked), yet each is read and verified as the Keras output of its name
     (matched by position, each would carry another head's values)."""
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.models.compat import keras
     from edgeq.models.load import keras_outputs
     from edgeq.runtime.interpreter import TFLiteModel

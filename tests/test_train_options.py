@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from edgeq.conversion import ConvertOptions, convert
-from edgeq.data import load_dataset
+from edgeq.convert.options import ConvertOptions
+from edgeq.convert.run import convert
+from edgeq.data.sources import load_dataset
 from edgeq.models.compat import keras, tf
 from edgeq.models.load import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel

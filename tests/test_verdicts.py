@@ -94,7 +94,7 @@ def ages(tmp_path_factory):
 
 
 def test_whole_numbered_ages_are_values_and_rare_ages_reach_val_and_test(cli, ages):
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
 
     folder, rare = ages
     data = load_dataset(f"npz:{folder / 'ages.npz'}")

@@ -41,8 +41,9 @@ def _bootstrap(decoded: dict, truth, size, classes, seed: int = 0) -> dict:
 
 
 def run() -> str:
-    from edgeq.conversion import ConvertOptions, convert
-    from edgeq.data import load_dataset
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import keras_outputs, load_user_model
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import profile_model

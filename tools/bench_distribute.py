@@ -97,7 +97,7 @@ def _free_ports(n):
 
 
 def _workers(tmp: Path, schedule: list[str]) -> dict:
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
 
     train_n = load_dataset("digits").count("train")
     rates = {}
@@ -121,7 +121,7 @@ def _workers(tmp: Path, schedule: list[str]) -> dict:
 
 
 def _pipeline_rate(folder: Path, batch: int = 64) -> tuple[float, int]:
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.training.pipeline import split_dataset
 
     data = load_dataset(f"images:{folder}", input_shape=(SIZE, SIZE, 3))

@@ -52,8 +52,9 @@ def _bare_convert_seconds(model, dataset, samples: int) -> float:
 
 
 def measure() -> list[dict]:
-    from edgeq.conversion import ConvertOptions, convert
-    from edgeq.data import load_dataset
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
+    from edgeq.data.sources import load_dataset
     from edgeq.models import zoo
     from edgeq.models.compat import keras
     from edgeq.training.schemes import QuantSettings, build_qat_model

@@ -34,7 +34,7 @@ STEPS = ("ptq", "mixed", "qat", "qat_distill", "w4_nearest", "w4_adaround")
 def _fp32(name: str, data: str, folder: Path) -> Path:
     from bench_ptq import OPTIONS, TRAINED_EPOCHS, _set_bn_statistics
 
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.compat import keras
 
     path = folder / f"{name}.keras"
@@ -81,8 +81,9 @@ def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict
 def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
     from bench_ptq import RAW_PIXELS
 
-    from edgeq.conversion import ConvertOptions, convert
-    from edgeq.data import load_dataset
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_keras_model
     from edgeq.training.fit import TrainConfig, train
 

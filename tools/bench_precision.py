@@ -30,7 +30,8 @@ class PrecisionRow:
 def precision_table(
     model: str, workdir: str | Path, data: str | None = None, epochs: int | None = None, qat_epochs: int | None = None
 ) -> list[PrecisionRow]:
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.evaluation import evaluate
     from edgeq.training.fit import TrainConfig, train
 

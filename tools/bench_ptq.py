@@ -52,7 +52,7 @@ def _raw_pixels(data: str, folder: Path) -> str:
     """The same synthetic samples as an npz of 0..255 floats (what EfficientNet's Rescaling expects)."""
     import numpy as np
 
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
 
     d = load_dataset(data)
     path = folder / "raw255.npz"
@@ -62,7 +62,7 @@ def _raw_pixels(data: str, folder: Path) -> str:
 
 
 def _models(tmp: Path):
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.compat import keras
 
     synthetic = f"synthetic:{SIZE}x{SIZE}x3:10:400"
@@ -94,7 +94,7 @@ def input_only_ceiling(path, data) -> float:
     """
     import numpy as np
 
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_keras_model
 
     dataset = load_dataset(data)
@@ -111,7 +111,8 @@ def input_only_ceiling(path, data) -> float:
 
 
 def _convert(path, data, out, **options) -> dict:
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.errors import EdgeqError
 
     start = time.perf_counter()
@@ -160,7 +161,7 @@ def adaround_at_224() -> dict:
 
     data = "synthetic:224x224x3:10:160"
     with tempfile.TemporaryDirectory() as tmp:
-        from edgeq.data import load_dataset
+        from edgeq.data.sources import load_dataset
 
         model = keras.applications.MobileNetV2(weights=None, input_shape=(224, 224, 3), classes=10)
         _set_bn_statistics(model, load_dataset(data).calibration_samples(32, seed=5))
@@ -176,7 +177,7 @@ def bare_conversion_seconds(path, data) -> float:
     """One bare TFLiteConverter int8-only conversion (64 representative samples), no verification."""
     from bench_keras import bare_int8_only_seconds
 
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_keras_model
 
     return bare_int8_only_seconds(load_keras_model(path), load_dataset(data).calibration_samples(64), samples=64)
@@ -292,7 +293,7 @@ def trained_architectures() -> list[dict]:
     Random-weight networks amplify any input error (see input_only_ceiling); trained ones are
     what users bring, and what published PTQ results are measured on.
     """
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.evaluation import evaluate
     from edgeq.models.compat import keras
     from edgeq.quantize.ranges import ACTIVATION_METHODS

@@ -30,7 +30,8 @@ def _paired_interval(metric, y, a, b, inputs=None, seed: int = 0) -> tuple[float
 
 
 def _models(recipe: str, data: str, folder: Path) -> dict[str, Path]:
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
     from edgeq.training.fit import TrainConfig, train
 
     run = train(TrainConfig(model=recipe, data=data, out_dir=str(folder / "run")))
@@ -40,7 +41,7 @@ def _models(recipe: str, data: str, folder: Path) -> dict[str, Path]:
 
 
 def _autoencoder(folder: Path) -> list[str]:
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_user_model
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.tasks.table import PAUC_MAX_FPR, anomaly_scores, roc_auc
@@ -82,7 +83,7 @@ def _autoencoder(folder: Path) -> list[str]:
 
 
 def _regression(folder: Path) -> list[str]:
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_user_model
     from edgeq.runtime.interpreter import TFLiteModel
 

@@ -42,7 +42,7 @@ def _train(folder: Path, name: str, photos: str) -> tuple[Path, str]:
     import keras
     from bench_ptq import _raw_pixels, _set_bn_statistics
 
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
 
     data = _raw_pixels(photos, folder) if name in RAW_PIXELS else photos
     d = load_dataset(data)

@@ -329,7 +329,7 @@ def _targets(kind: str, path: Path):
             ("eval-loader", eval_loader),
         ]
     if kind == "npz":
-        from edgeq.data import load_npz as training_npz
+        from edgeq.data.files import load_npz as training_npz
         from edgeq.runtime.interpreter import TFLiteModel
         from edgeq.runtime.profile import load_npz as profile_npz
 
@@ -339,7 +339,7 @@ def _targets(kind: str, path: Path):
             ("train/eval data", lambda: training_npz(path)),
         ]
     if kind == "npz-multi":
-        from edgeq.data import load_npz as training_npz
+        from edgeq.data.files import load_npz as training_npz
         from edgeq.runtime.profile import load_npz as profile_npz
 
         def profile_reader():
@@ -368,7 +368,7 @@ def _targets(kind: str, path: Path):
     if kind == "release":
         return [("pull", lambda: _pull(path))]
     if kind in ("coco", "tfrecord"):
-        from edgeq.data import load_dataset
+        from edgeq.data.sources import load_dataset
 
         if kind == "coco":
             for i in range(3):

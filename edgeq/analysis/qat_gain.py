@@ -28,7 +28,8 @@ QAT_INT8_NAME = "qat_int8.tflite"
 
 
 def _convert(source: Path, out: Path) -> dict:
-    from edgeq.conversion import ConvertOptions, convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
 
     try:
         result = convert(source, out, ConvertOptions(mode="int8-only"))
@@ -48,7 +49,7 @@ def compare_run(out_dir: str | Path) -> dict | None:
     """
     from edgeq.analysis.sensitivity import LABEL_FREE_KINDS, fp32_answers
     from edgeq.artifacts import sha256_file, write_json_atomic
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import keras_outputs, load_user_model, recorded_normalization
     from edgeq.tasks.table import OutputSpec
     from edgeq.training.distill import NO_LABELS

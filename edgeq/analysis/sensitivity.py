@@ -201,7 +201,7 @@ def exact_sensitivity(cal: Calibrated, x: np.ndarray, quality: Quality, progress
 
 def load_fp32_with_data(model_path, data: str, verb: str):
     """The FP32 Keras model and a dataset that fits its input; a QAT model is refused."""
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_tf_keras_model, recorded_normalization
     from edgeq.training.schemes import is_qat_model
 

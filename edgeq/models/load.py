@@ -116,7 +116,7 @@ def recorded_normalization(model_path: str | Path | None):
     Every command that reads data for a model it did not train (convert, analyze) reads raw
     files in these units, as eval and profile do from a conversion's manifest.
     """
-    from edgeq.data import Normalization
+    from edgeq.runtime.inputs import Normalization
 
     recorded = (run_record_for(model_path) or {}).get("normalization") if model_path else None
     return Normalization.from_dict(recorded) if isinstance(recorded, dict) else None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeq.data import Dataset
+from edgeq.data.splits import Dataset
 from edgeq.errors import UsageError
 from edgeq.models.compat import tf
 from edgeq.models.names import producer_of

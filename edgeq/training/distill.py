@@ -56,7 +56,7 @@ def objectives(objs: list[Objective], model) -> list[Objective]:
 
 def check_dataset(dataset, source: str) -> None:
     """Distillation holds the teacher's outputs beside the samples: in-memory data only."""
-    from edgeq.data import Dataset
+    from edgeq.data.splits import Dataset
 
     if not isinstance(dataset, Dataset):
         raise UsageError(

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from edgeq.artifacts import atomic_path, provenance, sha256_file, write_json_atomic
-from edgeq.data import load_dataset, normal_samples_for_training
+from edgeq.data.sources import load_dataset
+from edgeq.data.splits import normal_samples_for_training
 from edgeq.errors import DataError, TrainingDiverged, TrainingInterrupted, UsageError
 from edgeq.models.compat import keras, tf
 from edgeq.models.load import (

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from edgeq.data import TFRECORD_IMAGE, EncodedImages, _parse_tfrecord
+from edgeq.data.files import TFRECORD_IMAGE, EncodedImages, _parse_tfrecord
 from edgeq.errors import UsageError
 from edgeq.models.compat import tf
 

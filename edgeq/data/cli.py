@@ -16,7 +16,7 @@ def info(source):
     """Print shapes, classes, split sizes and normalisation of SOURCE."""
     import json
 
-    from edgeq.data import load_dataset
+    from edgeq.data.sources import load_dataset
 
     click.echo(json.dumps(load_dataset(source).describe(), indent=2))
 
@@ -27,7 +27,8 @@ def info(source):
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 def export(source, split, out):
     """Write one split of SOURCE (normalised float32 x, labels y) to OUT.npz."""
-    from edgeq.data import export_split, load_dataset
+    from edgeq.data.sources import load_dataset
+    from edgeq.data.splits import export_split
 
     dataset = load_dataset(source)
     path = export_split(dataset, split, out)

@@ -6,7 +6,7 @@ import click
 
 from edgeq.commands.ui import Heartbeat, table
 
-# Mode flags are spelled here from the same names as edgeq.conversion.MODES (a test checks
+# Mode flags are spelled here from the same names as edgeq.convert.options.MODES (a test checks
 # that the two agree), so that `edgeq convert --help` does not import TensorFlow.
 MODE_FLAGS = {
     "fp32": "float32 TFLite, no quantization",
@@ -156,8 +156,8 @@ def convert(
     import json
     from dataclasses import asdict
 
-    from edgeq.conversion import ConvertOptions
-    from edgeq.conversion import convert as run_convert
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert as run_convert
 
     options = ConvertOptions(
         mode=mode or ("int8" if plan and not _wide_plan(plan) else "int8-only"),

@@ -1,0 +1,125 @@
+"""The conversion's manifest and its commit: the .tflite and its JSON land together or not at all."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+from edgeq.artifacts import provenance, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
+from edgeq.convert.edgetpu import _edgetpu
+from edgeq.convert.plans import _plan_wide_layers
+from edgeq.convert.search import _calibration_record
+from edgeq.convert.verify import _detection_record, _num_classes
+from edgeq.runtime.flatbuffer import precision_counts, verify_tflite
+from edgeq.runtime.inputs import ROUNDING as INPUT_ROUNDING
+from edgeq.runtime.inputs import Normalization, manifest_beside
+
+
+def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes, run) -> dict:
+    """What the model's manifest records: the contract a device reads, how it was made, what was verified.
+
+    ``run``: the conversion's own facts (``source_path``, ``is_qat``, ``ptq``, ``seconds``, ``model``).
+    """
+    source_path, is_qat, ptq_record, seconds = run["source_path"], run["is_qat"], run["ptq"], run["seconds"]
+    keras_model, plan, granularity = run["model"], options.plan, options.granularity
+    equalize, io_type, calib_samples = options.equalize, options.io_type, options.calib_samples
+    op_counts = dict(Counter(op.op_name for op in tflite.ops()))
+    if dataset is not None:
+        normalization = dataset.normalization
+    else:
+        from edgeq.models.load import recorded_normalization
+
+        normalization = recorded_normalization(source_path) or Normalization()
+    manifest = {
+        "kind": "edgeq.convert",
+        "model": out.name,
+        "mode": spec.mode.value,
+        "mode_help": spec.help,
+        "sha256": sha256_bytes(flatbuffer),
+        "size_bytes": len(flatbuffer),
+        "input": asdict(tflite.input),
+        "output": asdict(tflite.output_named(outputs[0].name)),
+        # every tensor by its name (the Keras model's = the .tflite signature's), with what it means
+        "inputs": [{**asdict(t), "name": n, "tensor": t.name} for n, t in zip(tflite.input_names, tflite.inputs)],
+        "outputs": [
+            {
+                **o.to_dict(),
+                **{k: v for k, v in asdict(tflite.output_named(o.name)).items() if k != "name"},
+                "tensor": tflite.output_named(o.name).name,
+            }
+            for o in outputs
+        ],  # fmt: skip
+        "normalization": normalization.to_dict(),
+        # the input contract (edgeq.runtime.inputs): float sample = raw * scale + offset; the model's
+        # integer input = clamp(round(float sample / input scale) + zero point), rounded like TFLite
+        "input_rounding": INPUT_ROUNDING,
+        "num_classes": _num_classes(outputs),
+        # a detector: which heads, in which layout, decoded and NMS'd outside the int8 graph (edgeq.tasks.detection)
+        "detection": _detection_record(outputs, dataset),
+        "source": {
+            "path": str(source_path) if source_path else None,
+            "sha256": sha256_file(source_path) if source_path else None,
+            "qat": is_qat,
+        },
+        "options": {
+            "granularity": granularity,
+            "int4_granularity": options.int4_granularity if spec.backend == "aeq" else None,
+            "equalize": equalize,
+            "plan": str(plan) if plan else None,
+            "io_type": io_type if spec.integer_io else "float32",
+            "calib": data_spec,
+            "calib_samples": calib_samples if spec.calibrate else 0,
+            "ptq": options.ptq if spec.calibrate and not is_qat else None,
+            "weight_bits": options.weight_bits,
+        },
+        "calibration_data_sha256": dataset.fingerprint() if dataset is not None else None,
+        "calibration_samples": _calibration_record(dataset, calib_samples) if spec.calibrate else None,
+        "ptq": ptq_record,
+        "ops": op_counts,
+        # ops by what they compute in (QUANTIZE ops counted by their output): int8, int16 (16x8), float
+        "precision": precision_counts(verify_tflite(flatbuffer, "the converted model")),
+        "wide_layers": _plan_wide_layers(keras_model, plan) if plan else [],
+        "verification": asdict(verification),
+        "convert_seconds": round(seconds, 3),
+        "notes": notes,
+        "provenance": provenance(),
+    }
+    return manifest
+
+
+def _commit(out: Path, flatbuffer: bytes, manifest: dict, notes: list[str], edgetpu: bool) -> None:
+    """Write a verified conversion's files together: all of them, or none.
+
+    Everything (model, manifest, and with --edgetpu the compiler's model and log) is written
+    and fsynced in a hidden folder beside ``out`` first; a failure there (the compiler's
+    included) leaves nothing behind. Then each file is renamed into place, the model last:
+    a model on disk always has its companions beside it.
+    """
+    import os
+    import tempfile
+
+    from edgeq.artifacts import fsync_path
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as folder:
+        stage = Path(folder)
+        staged = stage / out.name
+        write_bytes_atomic(staged, flatbuffer)
+        if edgetpu:
+            report = _edgetpu(staged, flatbuffer, notes)
+            compiler = report.get("compiler")
+            if compiler:  # name the files where they will be, not where they were made
+                for key in ("output", "log"):
+                    if compiler.get(key):
+                        compiler[key] = str(out.parent / Path(compiler[key]).name)
+            manifest["edgetpu"] = report
+            manifest["notes"] = notes
+        write_json_atomic(stage / manifest_beside(out).name, manifest)
+        companions = sorted(p for p in stage.iterdir() if p.name != out.name and not p.name.startswith("."))
+        for path in companions:
+            fsync_path(path)
+        for path in companions:
+            os.replace(path, out.parent / path.name)
+        os.replace(staged, out)
+        fsync_path(out.parent)
