@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the result types, for readers and type checkers; not imported at run time
-    from edgeq.analysis.plan import PlanResult
-    from edgeq.analysis.sensitivity import SensitivityReport
+    from edgeq.analyze.plan import PlanResult
+    from edgeq.analyze.sensitivity import SensitivityReport
     from edgeq.convert.options import ConversionResult
-    from edgeq.evaluation import EvalResult
+    from edgeq.evaluate.run import EvalResult
     from edgeq.fleet.remote import DeviceOutcome, VerifyResult
     from edgeq.reporting.build import ReportResult
     from edgeq.runtime.profile import ProfileReport
-    from edgeq.training.fit import TrainResult
+    from edgeq.train.config import TrainResult
 
 __all__ = ["train", "convert", "evaluate", "analyze", "profile", "push", "verify", "report"]
 
@@ -34,7 +34,7 @@ def train(model: str, data: str | None = None, out_dir: str | Path = "runs/run",
         model: a zoo name (``edgeq train --help`` lists them) or a .keras/.h5/SavedModel path.
         data: a data source (``digits``, ``npz:PATH``, ``images:DIR``, ...); None: the recipe's.
         out_dir: where the run's files go (fp32.keras, qat.h5, run.json, ...).
-        **options: any field of :class:`edgeq.training.fit.TrainConfig` (``epochs``,
+        **options: any field of :class:`edgeq.train.fit.TrainConfig` (``epochs``,
             ``qat_epochs``, ``weight_bits``, ``distill``, ``layer_config``, ...).
 
     Returns:
@@ -47,8 +47,8 @@ def train(model: str, data: str | None = None, out_dir: str | Path = "runs/run",
     from dataclasses import fields
 
     from edgeq.errors import UsageError
-    from edgeq.training.fit import TrainConfig
-    from edgeq.training.fit import train as run
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train as run
 
     known = {f.name for f in fields(TrainConfig)} - {"model", "data", "out_dir"}
     unknown = sorted(set(options) - known)
@@ -103,7 +103,7 @@ def evaluate(
         QualityGateError: the drop is over ``max_drop_pp``.
         DataError, ModelLoadError: data or model that cannot be read.
     """
-    from edgeq.evaluation import evaluate as run
+    from edgeq.evaluate.run import evaluate as run
 
     return run(model, reference, data, split=split, max_drop_pp=max_drop_pp)
 
@@ -135,10 +135,10 @@ def analyze(
         UsageError: a QAT or multi-output model, or data that cannot score the model.
     """
     if max_drop_pp is None:
-        from edgeq.analysis.sensitivity import analyze_sensitivity
+        from edgeq.analyze.sensitivity import analyze_sensitivity
 
         return analyze_sensitivity(model, data, samples=samples)
-    from edgeq.analysis.plan import make_plan
+    from edgeq.analyze.plan import make_plan
 
     out = Path(out) if out else Path(model).with_name("plan.json")
     return make_plan(model, data, max_drop_pp, out, samples=samples, fallback=fallback)

@@ -20,10 +20,10 @@ from edgeq.errors import EdgeqError
 # name -> (module, attribute, one-line help). Help lives here so `edgeq --help`
 # lists every command without importing any of them.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("edgeq.commands.train", "train", "FP32 training, then quantization-aware fine-tuning (TF-MOT)."),
+    "train": ("edgeq.train.cli", "train", "FP32 training, then quantization-aware fine-tuning (TF-MOT)."),
     "convert": ("edgeq.convert.cli", "convert", "Convert a Keras model to a verified TFLite model."),
-    "eval": ("edgeq.commands.eval", "eval_command", "Compare a quantized model with its FP32 reference."),
-    "analyze": ("edgeq.commands.analyze", "analyze", "Weight statistics, layer sensitivity, budgeted precision plans."),
+    "eval": ("edgeq.evaluate.cli", "eval_command", "Compare a quantized model with its FP32 reference."),
+    "analyze": ("edgeq.analyze.cli", "analyze", "Weight statistics, layer sensitivity, budgeted precision plans."),
     "data": ("edgeq.data.cli", "data", "Look at datasets and export splits to .npz for devices."),
     "profile": (
         "edgeq.commands.profile",

@@ -43,7 +43,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
     """digits-cnn trained as the recipe says: FP32 then 8-bit QAT."""
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     out = tmp_path_factory.mktemp("digits") / "run"
     return train(TrainConfig(model="digits-cnn", out_dir=str(out), data="digits"))
@@ -84,7 +85,8 @@ def detector(tmp_path_factory):
 @pytest.fixture
 def finetune(digits_run):
     """QAT (no FP32 epochs) from the trained digits FP32 model, with the given options."""
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     def run(out_dir, **options):
         return train(

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from edgeq.data.sources import load_dataset
-from edgeq.evaluation import evaluate
+from edgeq.evaluate.run import evaluate
 from edgeq.models.compat import keras
-from edgeq.training.fit import _compile
+from edgeq.train.stages import _compile
 from tests.conftest import assert_one_line_error
 
 OUTLIER_CHANNEL, OUTLIER_FACTOR = 3, 1000.0
@@ -47,7 +47,7 @@ def outlier_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def outlier_sensitivity(outlier_model):
-    from edgeq.analysis.sensitivity import analyze_sensitivity
+    from edgeq.analyze.sensitivity import analyze_sensitivity
 
     return analyze_sensitivity(outlier_model, "digits", samples=100)
 
@@ -379,7 +379,7 @@ def test_analyze_reads_raw_data_in_the_units_the_model_was_trained_in(digits_run
     its run.json records, as convert and eval do (it took 1/255 before, 16x too small)."""
     from sklearn.datasets import load_digits
 
-    from edgeq.analysis.sensitivity import load_fp32_with_data
+    from edgeq.analyze.sensitivity import load_fp32_with_data
 
     bunch = load_digits()
     np.savez(tmp_path / "raw.npz", x=bunch.images.astype(np.uint8), y=bunch.target)

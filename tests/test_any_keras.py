@@ -103,7 +103,7 @@ def test_tf_ops_become_builtin_layers_with_the_same_outputs():
 
 def test_separable_conv_is_split_under_names_qat_weights_find_their_way_back_to():
     """NASNet's SeparableConv2D: TF-MOT splits it under generated names; edgeq splits it first."""
-    from edgeq.training.schemes import QuantSettings, build_qat_model, copy_float_weights
+    from edgeq.train.schemes import QuantSettings, build_qat_model, copy_float_weights
 
     L = tf_keras.layers
     inputs = tf_keras.Input((8, 8, 3))
@@ -138,7 +138,7 @@ def mobilenetv3_like_block():
 def test_mobilenetv3_parts_qat_convert_integer_only(tmp_path):
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
-    from edgeq.training.schemes import QuantSettings, build_qat_model, float_layers
+    from edgeq.train.schemes import QuantSettings, build_qat_model, float_layers
 
     model = mobilenetv3_like_block()
     qat = build_qat_model(model, QuantSettings())
@@ -184,7 +184,7 @@ def test_model_qat_cannot_take_fails_before_training(cli, tmp_path, kind):
     model = tf_keras.Model(inputs, L.Dense(10)(x))
     if kind == "custom":  # a custom class does not reload without its code: train it through the API
         from edgeq.errors import UnsupportedLayerError
-        from edgeq.training.schemes import QuantSettings, build_qat_model
+        from edgeq.train.schemes import QuantSettings, build_qat_model
 
         with pytest.raises(UnsupportedLayerError, match="'scale' \\(Scale: a custom layer\\)"):
             build_qat_model(model, QuantSettings())
@@ -203,7 +203,8 @@ def test_keras3_architecture_qat_int8_only_passes_verification(tmp_path, arch):
     """The issue's table: a Keras 3 keras.applications model -> 1-epoch QAT -> integer-only, verified."""
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     path = tmp_path / f"{arch}.keras"
     getattr(keras.applications, arch)(weights=None, input_shape=(32, 32, 3), classes=10).save(path)
@@ -231,7 +232,8 @@ def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, ar
     from edgeq.convert.run import convert
     from edgeq.models import zoo
     from edgeq.models.translate import to_tf_keras
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
     from tests.test_keras3 import assert_same_model, randomize_statistics
 
     classes = 12 if arch == "ds-cnn" else 10
@@ -260,8 +262,9 @@ def test_input_preprocessing_ranges_come_from_the_data_so_qat_does_not_collapse(
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
     from edgeq.models.load import load_keras_model
-    from edgeq.training.fit import TrainConfig, train
-    from edgeq.training.observe import suffix
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
+    from edgeq.train.observe import suffix
 
     L = keras.layers
     inputs = keras.Input((16, 16, 3))

@@ -157,7 +157,7 @@ def test_tfrecord_source_reads_the_images_an_image_folder_holds(tmp_path):
 
 
 def test_training_stream_is_the_split_shuffled_and_augmented_by_seed(tmp_path):
-    from edgeq.training.pipeline import parse_augment, split_dataset
+    from edgeq.train.pipeline import parse_augment, split_dataset
 
     root = _image_folder(tmp_path / "imgs")
     d = load_dataset(f"images:{root}", input_shape=(8, 8, 3))
@@ -227,7 +227,7 @@ def test_tfrecord_with_float_targets_feeds_a_regressor(tmp_path):
     from PIL import Image
 
     from edgeq.models.compat import tf
-    from edgeq.training.pipeline import split_dataset
+    from edgeq.train.pipeline import split_dataset
 
     rng = np.random.default_rng(0)
     path = tmp_path / "reg.tfrecord"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from edgeq.commands.train import train
-from edgeq.training.distribute import cluster_config
+from edgeq.train.cli import train
+from edgeq.train.distribute import cluster_config
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "distributed"
 

@@ -100,8 +100,8 @@ def test_qat_says_what_it_bought_over_ptq_of_the_same_weights(digits_run, tmp_pa
     interval is a paired one around the difference."""
     import shutil
 
-    from edgeq.analysis.qat_gain import compare_run, summary
-    from edgeq.evaluation import evaluate
+    from edgeq.analyze.qat_gain import compare_run, summary
+    from edgeq.evaluate.run import evaluate
 
     out = tmp_path / "run"
     shutil.copytree(digits_run.out_dir, out)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from edgeq.errors import UsageError
-from edgeq.training.distribute import cluster_config, setup
+from edgeq.train.distribute import cluster_config, setup
 
 SCHEDULE = ["--epochs", "4", "--qat-epochs", "1", "--batch-size", "32", "--seed", "0", "--no-compare-int8"]
 OUTPUTS = {"fp32.keras", "qat.h5", "qat_float.keras", "history.json", "run.json"}
@@ -84,7 +84,7 @@ def _int8(run_dir):
 
 def _same_model(run_dir, reference_dir):
     """The run's int8 model against the reference run's: accuracy and agreement on the test split."""
-    from edgeq.evaluation import evaluate
+    from edgeq.evaluate.run import evaluate
 
     return evaluate(_int8(run_dir), reference_dir / "int8.tflite", "digits")
 
@@ -217,14 +217,14 @@ def test_a_killed_multi_worker_run_resumes_on_every_worker(tmp_path):
 RANGES_CHECK = r"""
 import json, os, sys
 os.environ["EDGEQ_DEFER_RUNTIME"] = "1"
-from edgeq.training.distribute import setup
+from edgeq.train.distribute import setup
 
 two = setup("mirrored", replicas=2).strategy
 import numpy as np
 from edgeq.models.compat import keras, tf
 from edgeq.shims.tfmot import global_batch_ranges
-from edgeq.training import schemes
-from edgeq.training.fit import _compile, quantizer_ranges
+from edgeq.train import schemes
+from edgeq.train.fit import _compile, quantizer_ranges
 
 rng = np.random.default_rng(0)
 x = (rng.normal(size=(96, 8, 8, 1)) * rng.uniform(0.5, 3.0, size=(96, 1, 1, 1))).astype("float32")

@@ -110,7 +110,7 @@ def test_raw_uint8_and_float_files_give_the_same_model_inputs_everywhere(digits_
 
 
 def test_eval_and_profile_give_the_same_numbers_for_raw_and_float_files(cli, digits_run, digits_int8, digits_files):
-    from edgeq.evaluation import evaluate
+    from edgeq.evaluate.run import evaluate
     from edgeq.runtime.profile import profile_model
 
     raw = evaluate(digits_int8.path, digits_run.fp32_model, f"npz:{digits_files['raw']}")

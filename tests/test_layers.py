@@ -34,14 +34,21 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.models",),  # loading, Keras 3 translation
     ("edgeq.models.zoo",),
     ("edgeq.transforms",),
-    ("edgeq.training",),
+    ("edgeq.train",),
     ("edgeq.quantize",),  # the engine: calibration, PTQ, TFLite passes, mixed precision
-    ("edgeq.evaluation",),
+    ("edgeq.evaluate",),
     ("edgeq.convert",),
-    ("edgeq.analysis",),
+    ("edgeq.analyze",),
     ("edgeq.fleet",),
     ("edgeq.reporting",),
-    ("edgeq.commands", "edgeq.data.cli", "edgeq.convert.cli"),
+    (
+        "edgeq.commands",
+        "edgeq.data.cli",
+        "edgeq.convert.cli",
+        "edgeq.train.cli",
+        "edgeq.evaluate.cli",
+        "edgeq.analyze.cli",
+    ),
     ("edgeq.cli", "edgeq.__main__", "edgeq.api"),
 ]
 ROOTS = {"edgeq", "edgeq.shims"}  # `edgeq` holds __version__ and the public names (edgeq.api, loaded lazily)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from edgeq.data.sources import load_dataset
-from edgeq.evaluation import evaluate
+from edgeq.evaluate.run import evaluate
 from edgeq.models.load import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel
 

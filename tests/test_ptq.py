@@ -314,8 +314,8 @@ def test_rounding_needs_edgeqs_ranges(cli, digits_run, tmp_path):
 
 def test_qat_starts_from_calibrated_activation_ranges_not_tfmots_default():
     from edgeq.models.compat import keras
-    from edgeq.training.observe import activation_points, initialize_ranges
-    from edgeq.training.schemes import QuantSettings, build_qat_model
+    from edgeq.train.observe import activation_points, initialize_ranges
+    from edgeq.train.schemes import QuantSettings, build_qat_model
 
     L = keras.layers
     inputs = keras.Input((8, 8, 1))
@@ -337,8 +337,8 @@ def test_qat_starts_with_one_range_per_concatenation_chain():
     """QAT's calibrated start (--init-ranges) gives a concatenation and its inputs one range, as
     PTQ does, so the QAT model does not start with a requantization at each concatenation."""
     from edgeq.models.compat import keras
-    from edgeq.training.observe import activation_points, initialize_ranges
-    from edgeq.training.schemes import QuantSettings, build_qat_model
+    from edgeq.train.observe import activation_points, initialize_ranges
+    from edgeq.train.schemes import QuantSettings, build_qat_model
 
     L = keras.layers
     inputs = keras.Input((8, 8, 1))

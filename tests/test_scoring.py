@@ -66,7 +66,7 @@ def test_a_head_of_shape_1x1xk_is_scored_per_sample_and_an_image_output_is_refus
     """(N, 1, 1, K) scores: argmax over K per sample (before, (N, 1, 1) broadcast against y gave a
     mean over N x N pairs); an output with no class axis has no accuracy: one line, not a number."""
     from edgeq.data.sources import load_dataset
-    from edgeq.evaluation import evaluate
+    from edgeq.evaluate.run import evaluate
     from edgeq.models.compat import keras
 
     rng = np.random.default_rng(1)

@@ -16,7 +16,9 @@ from edgeq.data.sources import load_dataset
 from edgeq.models.compat import keras, tf
 from edgeq.models.load import load_keras_model
 from edgeq.runtime.interpreter import TFLiteModel
-from edgeq.training.fit import TrainConfig, _compile, train
+from edgeq.train.config import TrainConfig
+from edgeq.train.fit import train
+from edgeq.train.stages import _compile
 from tests.conftest import assert_one_line_error
 
 
@@ -97,7 +99,7 @@ def test_stepped_schedule_runs_and_reports_each_stage(cli, digits_run, tmp_path)
 
 
 def test_stepped_8bit_quantizes_layer_groups_from_the_input(digits_run, finetune, tmp_path):
-    from edgeq.training import schemes
+    from edgeq.train import schemes
 
     model = load_keras_model(digits_run.fp32_model)
     names = schemes.quantizable_layer_names(model)
@@ -336,7 +338,7 @@ def test_ctrl_c_loses_at_most_one_epoch_and_resume_finishes_the_run(tmp_path):
 
 def test_conv_followed_by_relu_layer_keeps_4bit_weight_quantization(tmp_path):
     """TF-MOT alone would train these weights in float (its ReLU transform drops them)."""
-    from edgeq.training import schemes
+    from edgeq.train import schemes
 
     L = keras.layers
     inputs = L.Input((8, 8, 1))
@@ -366,7 +368,7 @@ def test_conv_followed_by_relu_layer_keeps_4bit_weight_quantization(tmp_path):
 
 def test_qat_stage_keeps_the_float_models_loss(digits_run):
     """A QAT model ends in a wrapper: its softmax must still be seen (no softmax applied twice)."""
-    from edgeq.training import schemes
+    from edgeq.train import schemes
 
     model = load_keras_model(digits_run.fp32_model)
     qat = schemes.build_qat_model(model, schemes.QuantSettings(weight_bits=4))
@@ -495,8 +497,9 @@ def test_sigkill_at_random_moments_then_resume_finishes_losing_at_most_one_epoch
 def test_resume_restores_the_optimizer_state(tmp_path):
     """Adam's step count and moments come back from the checkpoint, not from zero."""
     from edgeq.models import zoo
-    from edgeq.training.fit import _Run, restore_checkpoint
-    from edgeq.training.schedule import make_schedule
+    from edgeq.train.config import restore_checkpoint
+    from edgeq.train.schedule import make_schedule
+    from edgeq.train.stages import _Run
 
     d = load_dataset("digits")
     model = zoo.build("digits-cnn", d.input_shape, 10)

@@ -13,7 +13,7 @@ EXACT_LAYERS = 4  # exact sensitivity is timed on this many layers and reported 
 
 
 def measure() -> dict:
-    from edgeq.analysis.sensitivity import fast_sensitivity
+    from edgeq.analyze.sensitivity import fast_sensitivity
     from edgeq.data.sources import load_dataset
     from edgeq.models import zoo
     from edgeq.models.compat import keras, tf

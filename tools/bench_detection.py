@@ -48,7 +48,8 @@ def run() -> str:
     from edgeq.runtime.interpreter import TFLiteModel
     from edgeq.runtime.profile import profile_model
     from edgeq.tasks.detection import DetectionSpec, decode, mean_average_precision
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

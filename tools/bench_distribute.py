@@ -122,7 +122,7 @@ def _workers(tmp: Path, schedule: list[str]) -> dict:
 
 def _pipeline_rate(folder: Path, batch: int = 64) -> tuple[float, int]:
     from edgeq.data.sources import load_dataset
-    from edgeq.training.pipeline import split_dataset
+    from edgeq.train.pipeline import split_dataset
 
     data = load_dataset(f"images:{folder}", input_shape=(SIZE, SIZE, 3))
     stream = split_dataset(data, "train", batch, training=True, seed=0)

@@ -25,7 +25,7 @@ CASES = (
 
 
 def _epoch_seconds(model, dataset, epochs: int, batch_size: int = 32) -> float:
-    from edgeq.training.fit import _compile
+    from edgeq.train.stages import _compile
 
     _compile(model, 1e-4)
     model.fit(dataset.x_train, dataset.y_train, epochs=1, batch_size=batch_size, verbose=0)  # trace + warm-up
@@ -57,7 +57,7 @@ def measure() -> list[dict]:
     from edgeq.data.sources import load_dataset
     from edgeq.models import zoo
     from edgeq.models.compat import keras
-    from edgeq.training.schemes import QuantSettings, build_qat_model
+    from edgeq.train.schemes import QuantSettings, build_qat_model
 
     rows = []
     for name, arch, data, options, epochs, samples in CASES:

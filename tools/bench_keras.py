@@ -26,7 +26,7 @@ def _data():
 
 
 def _epoch_seconds(model, x, y, repeats: int = 2) -> float:
-    from edgeq.training.fit import _compile
+    from edgeq.train.stages import _compile
 
     _compile(model, 1e-4)
     model.fit(x, y, epochs=1, batch_size=32, verbose=0)  # trace + warm-up
@@ -61,7 +61,7 @@ def run() -> str:
 
     from edgeq.models.compat import keras as tf_keras
     from edgeq.models.translate import translate
-    from edgeq.training.schemes import QuantSettings, build_qat_model
+    from edgeq.train.schemes import QuantSettings, build_qat_model
 
     x, y = _data()
     k3 = keras.applications.EfficientNetB0(weights=None, input_shape=(SIZE, SIZE, 3), classes=10)

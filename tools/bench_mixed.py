@@ -85,7 +85,8 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
     from edgeq.convert.run import convert
     from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_keras_model
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     data = raw if name in RAW_PIXELS else photos
     d = load_dataset(data)
@@ -138,7 +139,7 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
 
 
 def _mixed(name, fp32, data, folder, row, converted) -> None:
-    from edgeq.analysis.plan import make_plan
+    from edgeq.analyze.plan import make_plan
 
     start = time.perf_counter()
     plan = make_plan(fp32, data, PLAN_BUDGET_PP, folder / f"{name}_plan.json", samples=200, fallback="int16")

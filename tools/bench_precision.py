@@ -32,8 +32,9 @@ def precision_table(
 ) -> list[PrecisionRow]:
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
-    from edgeq.evaluation import evaluate
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.evaluate.run import evaluate
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     workdir = Path(workdir)
     base = train(

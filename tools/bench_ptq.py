@@ -78,7 +78,8 @@ def _models(tmp: Path):
         path = tmp / f"{name}.keras"
         model.save(path)
         yield name, path, data
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     run = train(TrainConfig(model="digits-cnn", data="digits", out_dir=str(tmp / "digits")))
     yield "digits-cnn (trained)", run.fp32_model, "digits"
@@ -254,8 +255,9 @@ def teacher_photos(folder: Path, n: int = 3000, size: int = 32, classes: int = 1
 
 def harder_trained() -> dict:
     """resnet8 trained on the teacher-labelled photo crops; FP32 vs int8 test accuracy, converter vs auto."""
-    from edgeq.evaluation import evaluate
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.evaluate.run import evaluate
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -294,7 +296,7 @@ def trained_architectures() -> list[dict]:
     what users bring, and what published PTQ results are measured on.
     """
     from edgeq.data.sources import load_dataset
-    from edgeq.evaluation import evaluate
+    from edgeq.evaluate.run import evaluate
     from edgeq.models.compat import keras
     from edgeq.quantize.ranges import ACTIVATION_METHODS
 

@@ -32,7 +32,8 @@ def _paired_interval(metric, y, a, b, inputs=None, seed: int = 0) -> tuple[float
 def _models(recipe: str, data: str, folder: Path) -> dict[str, Path]:
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
-    from edgeq.training.fit import TrainConfig, train
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
 
     run = train(TrainConfig(model=recipe, data=data, out_dir=str(folder / "run")))
     ptq = convert(run.fp32_model, folder / "ptq_int8.tflite", ConvertOptions(mode="int8-only"))

@@ -18,7 +18,7 @@ def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str])
     are converted with 16x8 post-training quantization instead.
     """
     from edgeq.models.load import QAT_FLOAT_NAME, load_user_model
-    from edgeq.training.schemes import activation_bits_of
+    from edgeq.train.schemes import activation_bits_of
 
     if 16 not in activation_bits_of(keras_model):
         return keras_model, True

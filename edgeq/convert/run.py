@@ -35,7 +35,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     for float ops in an integer-only model) and leaves nothing on disk when it fails.
     """
     from edgeq.models.load import as_tf_keras, concatenated_outputs, output_specs, with_input_shape
-    from edgeq.training.schemes import is_qat_model
+    from edgeq.train.schemes import is_qat_model
 
     options = options or ConvertOptions()
     spec = options.spec

@@ -100,7 +100,7 @@ class EncodedImages(_Splits):
 
     The split is fixed from the file list and labels alone (the same stratified split as
     the in-memory sources), so nothing is decoded to make it. Training streams the
-    images through tf.data (edgeq.training.pipeline); calibration decodes only the samples
+    images through tf.data (edgeq.train.pipeline); calibration decodes only the samples
     it draws; ``x_train`` etc. decode a whole split, once, for the commands that want it.
     Every decode goes through ``decode_image`` (Pillow), so train, eval and profile see the
     same pixels.

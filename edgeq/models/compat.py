@@ -63,7 +63,7 @@ def start_runtime() -> None:
     """Run the first op, which starts TensorFlow's runtime (and prints oneDNN's notice), quietly.
 
     After it, devices and collective ops are fixed: a tf.distribute strategy that needs
-    logical CPU devices or a worker cluster (edgeq.training.distribute) is set up first, which
+    logical CPU devices or a worker cluster (edgeq.train.distribute) is set up first, which
     is why ``EDGEQ_DEFER_RUNTIME=1`` (set by ``edgeq train --strategy``) postpones this.
     """
     with _stderr_silenced():

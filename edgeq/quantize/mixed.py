@@ -142,7 +142,7 @@ def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None, rang
     (smoothing 0.95), which clips every tensor to the extremes of its last few dozen samples:
     on a trained MobileNetV2 that cost 7 points even with every layer at 16 bits. So it runs
     on two samples only, to name the tensors it needs, and each range is then edgeq's: the
-    float model runs every sample, each of those tensors is observed (edgeq.training.observe),
+    float model runs every sample, each of those tensors is observed (edgeq.train.observe),
     and ``ranges`` (edgeq.quantize.ranges: minmax, percentile, mse, entropy) picks its min/max.
 
     ``samples``: an array (one input) or a dict of arrays by input name.

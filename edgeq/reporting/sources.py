@@ -15,8 +15,8 @@ KINDS = {
     "edgeq.convert": "manifest",
     "edgeq.plan": "plan",
     "edgeq.eval": "eval",
-    "edgeq.analysis.weights": "weights",
-    "edgeq.analysis.sensitivity": "sensitivity",
+    "edgeq.analyze.weights": "weights",
+    "edgeq.analyze.sensitivity": "sensitivity",
     "edgeq.verify": "verify",
 }
 SCHEMAS = {"edgeq.profile": "profile", "edgeq.inspect": "inspect"}

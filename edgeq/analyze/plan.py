@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq.analysis.sensitivity import exact_sensitivity, load_fp32_with_data, quality_of
+from edgeq.analyze.sensitivity import exact_sensitivity, load_fp32_with_data, quality_of
 from edgeq.artifacts import write_json_atomic
 from edgeq.errors import UsageError
 from edgeq.quantize.calibration import calibrate, predict
@@ -125,7 +125,7 @@ def _prefix_search(ranking: list[str], measure, max_drop_pp: float, frontier: li
 def _fast_wide_ranking(model, dataset, samples: int, layers: list[str]) -> list[str]:
     """Layers by their worst op's own int8 error (the debugger's per-op channel SQNR, each op on float
     inputs), worst first: one calibration pass, however many layers."""
-    from edgeq.analysis.sensitivity import fast_sensitivity
+    from edgeq.analyze.sensitivity import fast_sensitivity
 
     cal = calibrate(model, dataset, samples)
     ranked = [s.layer for s in fast_sensitivity(cal) if s.layer in layers]

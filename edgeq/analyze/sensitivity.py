@@ -68,7 +68,7 @@ class SensitivityReport:
     metric: str = "accuracy"  # what fp32/int8_value and the exact ranking measure: the output's task metric
 
     def to_dict(self) -> dict:
-        d = {"kind": "edgeq.analysis.sensitivity", **asdict(self)}
+        d = {"kind": "edgeq.analyze.sensitivity", **asdict(self)}
         return _finite(d)
 
 
@@ -203,7 +203,7 @@ def load_fp32_with_data(model_path, data: str, verb: str):
     """The FP32 Keras model and a dataset that fits its input; a QAT model is refused."""
     from edgeq.data.sources import load_dataset
     from edgeq.models.load import load_tf_keras_model, recorded_normalization
-    from edgeq.training.schemes import is_qat_model
+    from edgeq.train.schemes import is_qat_model
 
     model = load_tf_keras_model(model_path)
     if is_qat_model(model):

@@ -16,7 +16,7 @@ import numpy as np
 
 from edgeq.errors import DataError, UsageError
 from edgeq.models.compat import keras, tf
-from edgeq.training.objectives import Objective
+from edgeq.train.objectives import Objective
 
 SPLITS = ("train", "val", "test")
 NO_LABELS = "the data has no labels"

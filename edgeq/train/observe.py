@@ -14,7 +14,7 @@ import numpy as np
 from edgeq.models.compat import keras
 from edgeq.quantize.configs import SAME_SCALE_LAYERS
 from edgeq.quantize.ranges import Observer, activation_range
-from edgeq.training import schemes
+from edgeq.train import schemes
 from edgeq.transforms.tfops import replace_tf_ops
 
 

@@ -47,12 +47,12 @@ def compare_run(out_dir: str | Path) -> dict | None:
         The ``int8_comparison`` record, or None where there is nothing to compare: no QAT model,
         a detector (judge each with ``edgeq eval``: mAP), or no val samples.
     """
-    from edgeq.analysis.sensitivity import LABEL_FREE_KINDS, fp32_answers
+    from edgeq.analyze.sensitivity import LABEL_FREE_KINDS, fp32_answers
     from edgeq.artifacts import sha256_file, write_json_atomic
     from edgeq.data.sources import load_dataset
     from edgeq.models.load import keras_outputs, load_user_model, recorded_normalization
     from edgeq.tasks.table import OutputSpec
-    from edgeq.training.distill import NO_LABELS
+    from edgeq.train.distill import NO_LABELS
 
     out_dir = Path(out_dir)
     run = json.loads((out_dir / "run.json").read_text(encoding="utf-8"))

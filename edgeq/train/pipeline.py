@@ -163,7 +163,7 @@ def split_dataset(
     seed of (``seed``, epoch). Not from a generator that runs on across epochs: a run
     resumed at epoch E then gets the order the uninterrupted run had at epoch E.
 
-    ``targets`` (``edgeq.training.objectives.target_plan``): what each output learns from, in the
+    ``targets`` (``edgeq.train.objectives.target_plan``): what each output learns from, in the
     model's output order: "input" (an autoencoder), an output name (``y_<name>``), None (``y``).
     """
     if not training:

@@ -34,7 +34,7 @@ def eval_command(model, reference, data, split, max_drop, json_path, task):
     import json
 
     from edgeq.artifacts import write_json_atomic
-    from edgeq.evaluation import check_gate, evaluate
+    from edgeq.evaluate.run import check_gate, evaluate
     from edgeq.tasks.verdicts import Verdict
 
     r = evaluate(model, reference, data, split, max_drop, task)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from edgeq.commands.ui import table
-from edgeq.training.distribute import STRATEGIES  # light: no TensorFlow until a strategy is set up
+from edgeq.train.distribute import STRATEGIES  # light: no TensorFlow until a strategy is set up
 
 
 def _model_options(values: tuple[str, ...]) -> dict:
@@ -120,8 +120,8 @@ def train(model, out_dir, resume, force, model_options, activation_bits, compare
     if options["strategy"] != "default":
         # the strategy sets up devices / collectives before TensorFlow's runtime starts
         os.environ["EDGEQ_DEFER_RUNTIME"] = "1"
-    from edgeq.training.fit import TrainConfig
-    from edgeq.training.fit import train as run_training
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train as run_training
 
     config = TrainConfig(
         model=model,
@@ -161,7 +161,7 @@ def train(model, out_dir, resume, force, model_options, activation_bits, compare
     if result.float_layers:
         click.echo(f"left float in QAT: {', '.join(result.float_layers)}")
     if result.qat_model and compare_int8:  # the run is complete and recorded; this only adds to it
-        from edgeq.analysis.qat_gain import compare_run, summary
+        from edgeq.analyze.qat_gain import compare_run, summary
 
         comparison = compare_run(result.out_dir)
         if comparison is not None:

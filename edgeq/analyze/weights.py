@@ -234,7 +234,7 @@ def rounding_errors(
     Weight error alone favours nearest by construction; AdaRound trades weight error for
     output error, which is what the next layer sees.
     """
-    from edgeq.analysis.sensitivity import load_fp32_with_data
+    from edgeq.analyze.sensitivity import load_fp32_with_data
     from edgeq.models.compat import keras
     from edgeq.quantize.numerics import weight_codes, weight_error
     from edgeq.transforms.adaround import ADAROUND_LAYERS, adaround, kernel_name, kernel_scale, output_mse
@@ -307,7 +307,7 @@ def save_histograms(model_path: str | Path, out_dir: str | Path, bins: int = 80)
 
 def weights_document(model, reports, plots_dir, rounding, data, samples: int, seed: int) -> dict:
     """``analyze weights --json``: every figure, where the histograms are, and the rounding errors."""
-    document = {"kind": "edgeq.analysis.weights", "model": str(model), "layers": [r.to_dict() for r in reports]}
+    document = {"kind": "edgeq.analyze.weights", "model": str(model), "layers": [r.to_dict() for r in reports]}
     if plots_dir:  # where the histograms are, for `edgeq report`
         document["plots"] = str(plots_dir)
     if rounding:

@@ -39,7 +39,7 @@ def weights(model, json_path, csv_path, plots_dir, data, calib_samples, seed):
     """Per-layer weight statistics of MODEL (Keras or .tflite) and the error of each
     quantization choice: INT8/INT4, per-tensor/per-channel, symmetric/asymmetric,
     nearest/stochastic rounding (and AdaRound with --data). Most outlier-heavy layer first."""
-    from edgeq.analysis.weights import (
+    from edgeq.analyze.weights import (
         analyze_weights,
         rounding_errors,
         save_histograms,
@@ -124,7 +124,7 @@ _task_option = click.option(
 @_task_option
 def sensitivity(model, data, method, calib_samples, split, granularity, ranges, json_path, plot_path, task):
     """Rank the layers of FP32 MODEL by how much INT8 quantization of each one costs."""
-    from edgeq.analysis.sensitivity import analyze_sensitivity, save_bar_chart
+    from edgeq.analyze.sensitivity import analyze_sensitivity, save_bar_chart
     from edgeq.artifacts import write_json_atomic
 
     with Heartbeat("analyze sensitivity (layers measured)") as progress:
@@ -228,7 +228,7 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     --fallback int16 16-bit activations) until the accuracy drop is within --max-drop.
     The best plan is always saved; use it with `edgeq convert MODEL --int8 --plan PLAN`
     (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`."""
-    from edgeq.analysis.plan import make_plan, save_frontier_chart
+    from edgeq.analyze.plan import make_plan, save_frontier_chart
     from edgeq.errors import QualityGateError
     from edgeq.tasks.verdicts import Verdict
 
