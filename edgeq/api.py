@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # the result types, for readers and type checkers; not import
     from edgeq.convert.options import ConversionResult
     from edgeq.evaluate.run import EvalResult
     from edgeq.fleet.remote import DeviceOutcome, VerifyResult
-    from edgeq.reporting.build import ReportResult
-    from edgeq.runtime.profile import ProfileReport
+    from edgeq.profile.results import ProfileReport
+    from edgeq.report.build import ReportResult
     from edgeq.train.config import TrainResult
 
 __all__ = ["train", "convert", "evaluate", "analyze", "profile", "push", "verify", "report"]
@@ -167,7 +167,7 @@ def profile(
     Raises:
         UsageError, ModelLoadError: bad settings or a file that is not a model.
     """
-    from edgeq.runtime.profile import profile_model
+    from edgeq.profile.run import profile_model
 
     return profile_model(model, compare=compare, threads=tuple(threads), runs=runs, data=data)
 
@@ -242,6 +242,6 @@ def report(run_dir: str | Path, out: str | Path | None = None) -> ReportResult:
     Raises:
         UsageError: a folder with nothing edgeq can report on.
     """
-    from edgeq.reporting.build import build_report
+    from edgeq.report.build import build_report
 
     return build_report([run_dir], out or Path(run_dir) / "report.html")

@@ -79,11 +79,11 @@ def test_public_names_stay_functions_beside_their_stage_packages():
     code = (
         "import json, edgeq, inspect\n"
         "from edgeq.convert.options import MODES\n"
-        "import edgeq.convert.cli, edgeq.train.cli, edgeq.evaluate.cli, edgeq.analyze.cli\n"
+        "import edgeq.convert.cli, edgeq.train.cli, edgeq.evaluate.cli, edgeq.analyze.cli, edgeq.profile.cli, edgeq.report.cli\n"
         "from edgeq import convert\n"
-        "names = ('convert', 'train', 'evaluate', 'analyze')\n"
+        "names = ('convert', 'train', 'evaluate', 'analyze', 'profile', 'report')\n"
         "print(json.dumps({'functions': [inspect.isfunction(getattr(edgeq, n)) for n in names],\n"
         "                  'same': convert is edgeq.api.convert, 'modes': bool(MODES)}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == {"functions": [True] * 4, "same": True, "modes": True}
+    assert json.loads(out.stdout) == {"functions": [True] * 6, "same": True, "modes": True}

@@ -76,9 +76,9 @@ def _inputs_of_every_consumer(model_path, run_qat_model, data_file):
     from edgeq.convert.converter import _calibration
     from edgeq.data.sources import load_dataset
     from edgeq.fleet.remote import quantized_inputs
+    from edgeq.profile.samples import load_npz
     from edgeq.runtime.inputs import normalization_beside
     from edgeq.runtime.interpreter import TFLiteModel, quantize
-    from edgeq.runtime.profile import load_npz
 
     model = TFLiteModel(model_path)
     info = model.input
@@ -111,7 +111,7 @@ def test_raw_uint8_and_float_files_give_the_same_model_inputs_everywhere(digits_
 
 def test_eval_and_profile_give_the_same_numbers_for_raw_and_float_files(cli, digits_run, digits_int8, digits_files):
     from edgeq.evaluate.run import evaluate
-    from edgeq.runtime.profile import profile_model
+    from edgeq.profile.run import profile_model
 
     raw = evaluate(digits_int8.path, digits_run.fp32_model, f"npz:{digits_files['raw']}")
     flt = evaluate(digits_int8.path, digits_run.fp32_model, f"npz:{digits_files['float']}")
@@ -165,9 +165,9 @@ def test_one_npz_means_the_same_on_the_host_and_on_the_device(digits_int8, digit
     each file the same way, sample for sample (before, the host read int8 codes as float values
     and crashed on one-hot labels, while the device took both)."""
     from edgeq.data.sources import load_dataset
+    from edgeq.profile.samples import load_npz as device_reader
     from edgeq.runtime.inputs import normalization_beside
     from edgeq.runtime.interpreter import TFLiteModel
-    from edgeq.runtime.profile import load_npz as device_reader
 
     model = TFLiteModel(digits_int8.path)
     inp = model.input

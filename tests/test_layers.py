@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.tasks",),  # the task table, detection, verdicts
     ("edgeq.shims.litert",),
     ("edgeq.artifacts",),
-    ("edgeq.runtime",),
+    ("edgeq.runtime",),  # the device runtime: interpreter, flatbuffer, inputs, Edge TPU
+    ("edgeq.profile",),  # profile on the device: latency, memory, scores
     # ---- host side from here up: TensorFlow may be imported (through edgeq.models.compat)
     ("edgeq.models.names",),  # no TensorFlow: attribute reads of a Keras model
     ("edgeq.models.compat",),
@@ -40,14 +41,19 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.convert",),
     ("edgeq.analyze",),
     ("edgeq.fleet",),
-    ("edgeq.reporting",),
+    ("edgeq.report",),
+    # each command's module, in or beside its stage, over what they share (ui)
+    ("edgeq.ui",),
     (
-        "edgeq.commands",
         "edgeq.data.cli",
         "edgeq.convert.cli",
         "edgeq.train.cli",
         "edgeq.evaluate.cli",
         "edgeq.analyze.cli",
+        "edgeq.profile.cli",
+        "edgeq.report.cli",
+        "edgeq.fleet.cli",
+        "edgeq.runtime.cli",
     ),
     ("edgeq.cli", "edgeq.__main__", "edgeq.api"),
 ]
@@ -57,13 +63,13 @@ HOST_STAGES_END = LAYERS.index(("edgeq.fleet",))
 DEVICE_SIDE_EXTRA = (
     "edgeq.cli",
     "edgeq.__main__",
-    "edgeq.commands.ui",
-    "edgeq.commands.profile",
-    "edgeq.commands.inspect",
+    "edgeq.ui",
+    "edgeq.profile.cli",
+    "edgeq.runtime.cli",
     "edgeq.fleet.device",
     "edgeq.fleet._probe",
     "edgeq.fleet.release",
-    "edgeq.commands.release",
+    "edgeq.fleet.cli.release",
 )
 HEAVY = ("tensorflow", "tf_keras", "keras", "tensorflow_model_optimization", "ai_edge_quantizer", "litert_quantizer")
 
@@ -153,7 +159,7 @@ def device_violations(modules) -> list[str]:
     """Imports of TensorFlow & co or of a host stage by the device side or the fleet."""
     bad = []
     for module, path in modules.items():
-        if not (is_device_side(module) or module.startswith(("edgeq.fleet", "edgeq.reporting"))):
+        if not (is_device_side(module) or module.startswith(("edgeq.fleet", "edgeq.report"))):
             continue
         for target, line in imports_of(path):
             rank = layer_of(target) if target.startswith("edgeq.") else None
@@ -236,3 +242,22 @@ def test_device_script_is_standalone():
     names = [a.name for n in top_level if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in top_level if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n == "edgeq" or n.startswith("edgeq.")]
+
+
+def test_no_import_statement_reaches_a_stage_through_a_public_name():
+    """`edgeq.convert`, `edgeq.report` ... are the public functions, not the stage packages of the
+    same names, so `import edgeq.report.figures as figures` would read the function's attribute:
+    a stage's modules are imported with `from edgeq.<stage>(.x) import y`."""
+    import edgeq
+
+    public = set(edgeq.__all__) - {"__version__"}
+    bad = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                bad += [
+                    f"{name}:{node.lineno}: import {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[:2][-1] in public and a.name.startswith("edgeq.")
+                ]
+    assert bad == []

@@ -45,8 +45,8 @@ def run() -> str:
     from edgeq.convert.run import convert
     from edgeq.data.sources import load_dataset
     from edgeq.models.load import keras_outputs, load_user_model
+    from edgeq.profile.run import profile_model
     from edgeq.runtime.interpreter import TFLiteModel
-    from edgeq.runtime.profile import profile_model
     from edgeq.tasks.detection import DetectionSpec, decode, mean_average_precision
     from edgeq.train.config import TrainConfig
     from edgeq.train.fit import train

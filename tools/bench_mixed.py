@@ -55,9 +55,9 @@ def _fp32(name: str, data: str, folder: Path) -> Path:
 
 def _score(path: Path, fp32_correct, x, y, fp32_ms: float | None = None) -> dict:
 
+    from edgeq.profile.run import profile_model
     from edgeq.runtime.flatbuffer import op_summary, read_tflite
     from edgeq.runtime.interpreter import TFLiteModel
-    from edgeq.runtime.profile import profile_model
     from edgeq.tasks.verdicts import paired_interval
 
     correct = (TFLiteModel(path, use_default_delegates=False).predict(x, batch_size=1).argmax(-1) == y).astype(float)

@@ -314,9 +314,9 @@ def _mutated(kind: str, data: bytes, rng: np.random.Generator) -> bytes:
 def _targets(kind: str, path: Path):
     """[(name, callable)] that read ``path`` as a user's command would."""
     if kind == "tflite":
+        from edgeq.profile.run import profile_model
         from edgeq.runtime.inspect import inspect_tflite, inspect_to_dict
         from edgeq.runtime.interpreter import TFLiteModel
-        from edgeq.runtime.profile import profile_model
 
         def eval_loader():
             model = TFLiteModel(path)
@@ -330,8 +330,8 @@ def _targets(kind: str, path: Path):
         ]
     if kind == "npz":
         from edgeq.data.files import load_npz as training_npz
+        from edgeq.profile.samples import load_npz as profile_npz
         from edgeq.runtime.interpreter import TFLiteModel
-        from edgeq.runtime.profile import load_npz as profile_npz
 
         model_input = TFLiteModel(DATA / "tiny_int8.tflite").input
         return [
@@ -340,7 +340,7 @@ def _targets(kind: str, path: Path):
         ]
     if kind == "npz-multi":
         from edgeq.data.files import load_npz as training_npz
-        from edgeq.runtime.profile import load_npz as profile_npz
+        from edgeq.profile.samples import load_npz as profile_npz
 
         def profile_reader():
             from edgeq.runtime.interpreter import TFLiteModel
@@ -359,8 +359,8 @@ def _targets(kind: str, path: Path):
     if kind == "report":
 
         def report():
-            from edgeq.reporting import collect
-            from edgeq.reporting.build import render
+            from edgeq.report.sources import collect
+            from edgeq.report.build import render
 
             render(collect([path.parent]))
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import Heartbeat, table
 from edgeq.quantize.ranges import ACTIVATION_METHODS
 from edgeq.tasks.metrics import metric
+from edgeq.ui import Heartbeat, table
 
 _ranges_option = click.option(
     "--ranges",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import Heartbeat, table
+from edgeq.ui import Heartbeat, table
 
 # Mode flags are spelled here from the same names as edgeq.convert.options.MODES (a test checks
 # that the two agree), so that `edgeq convert --help` does not import TensorFlow.

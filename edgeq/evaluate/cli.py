@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import table
 from edgeq.tasks.metrics import metric
+from edgeq.ui import table
 
 
 @click.command("eval")

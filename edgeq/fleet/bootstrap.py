@@ -1,18 +1,4 @@
-"""Get edgeq onto a device once: probe it, then install the base runtime.
-
-Two ways, chosen by the inventory:
-
-* ``venv = PATH``: a virtualenv on the device with the base ``edgeq`` install. The wheel
-  built from this checkout is pushed; the wheels it needs come from PyPI when the device
-  is ``online``, else they are downloaded here for the device's platform and pushed too.
-* no ``venv``: nothing is installed with pip. The wheels are unpacked into
-  ``WORKDIR/versions/SHA`` and edgeq runs as ``PYTHONPATH=WORKDIR/site python -m edgeq``,
-  ``site`` being a symlink to the live version. This is for devices without pip or
-  internet (and for the emulated Raspberry Pi 4 in the tests).
-
-Both are skipped when the device already has this exact wheel (a marker holds its sha256).
-Both keep the runtime they replace, for ``edgeq push --rollback --runtime``.
-"""
+"""A device's edgeq runtime: probed, installed into a versioned venv or site, switched, rolled back."""
 
 from __future__ import annotations
 
@@ -20,284 +6,27 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import edgeq
-from edgeq.artifacts import atomic_path, folder_lock
 from edgeq.errors import DeviceError
+from edgeq.fleet.probe import BASE_REQUIREMENTS, VENV_REQUIREMENTS, DeviceRuntime, pinned, probe
 from edgeq.fleet.push import Rollback, _now, device_python_c, read_live, upload_atomically, write_live
 from edgeq.fleet.transport import Transport, confine
+from edgeq.fleet.wheels import _dependency_wheels, _keyed_lock, build_wheel
 
 log = logging.getLogger(__name__)
 
-PROBE_SCRIPT = Path(__file__).with_name("_probe.py")
-BASE_REQUIREMENTS = ("numpy", "click", "ai-edge-litert")
-VENV_REQUIREMENTS = (*BASE_REQUIREMENTS, "pip")  # offline venvs: pip's wheel too (see ensure_runtime)
-WHEEL_CACHE = Path(os.environ.get("EDGEQ_WHEEL_CACHE", "~/.cache/edgeq/wheels")).expanduser()
+
 _MARKER = ".edgeq-wheel.sha256"
+
+
 RUNTIME_STATE = ".edgeq-runtime.json"  # WORKDIR/.edgeq-runtime.json: live and previous edgeq runtime
+
+
 SCHEMA_MODULE = "edgeq_tflite_schema"  # edgeq.runtime.flatbuffer imports it when LiteRT's is absent
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What ``edgeq devices check`` reports about a device."""
-
-    machine: str
-    system: str
-    os: str
-    python: str
-    python_tag: str
-    executable: str
-    glibc: str
-    numpy: str | None
-    click: str | None
-    runtime: str | None
-    runtime_version: str | None
-    edgeq: str | None
-    free_bytes: int | None
-    edgetpu_library: str | None
-    edgetpu_devices: tuple[str, ...]
-    pip: bool
-    venv: bool
-    listed: dict = field(default_factory=dict)  # {folder: {file name: size}} of the folders it was asked to list
-
-    @property
-    def edgetpu(self) -> str:
-        if self.edgetpu_devices and self.edgetpu_library:
-            return "yes"
-        if self.edgetpu_devices:
-            return "device, no libedgetpu"
-        if self.edgetpu_library:
-            return "libedgetpu, no device"
-        return "no"
-
-    def drift(self, host: dict[str, str | None]) -> list[str]:
-        """Where the device's edgeq, numpy and LiteRT differ from ``host`` (host_versions())."""
-        found = []
-        for name, mine in (("edgeq", self.edgeq), ("numpy", self.numpy)):
-            if mine != host.get(name):
-                found.append(f"{name} {mine or 'none'} (host {host.get(name) or 'none'})")
-        runtime = f"{self.runtime} {self.runtime_version}" if self.runtime else "none"
-        if runtime != host.get("runtime"):
-            found.append(f"runtime {runtime} (host {host.get('runtime') or 'none'})")
-        return found
-
-    @property
-    def missing(self) -> list[str]:
-        return [
-            name
-            for name, have in (("numpy", self.numpy), ("click", self.click), ("ai-edge-litert", self.runtime))
-            if not have
-        ]
-
-
-@dataclass(frozen=True)
-class DeviceRuntime:
-    """How to run edgeq on a device after the bootstrap."""
-
-    python: str
-    env: dict[str, str] = field(default_factory=dict)
-    mode: str = "site"  # "site" | "venv"
-    installed: str = "unchanged"  # "installed" | "unchanged"
-    workdir: str = ""
-
-    def argv(self, *args: str) -> list[str]:
-        return [self.python, "-m", "edgeq", *args]
-
-
-def host_versions() -> dict[str, str | None]:
-    """This host's edgeq, numpy and LiteRT, as a device should have them (devices check compares)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def dist(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    litert = dist("ai-edge-litert")
-    runtime = f"ai_edge_litert {litert}" if litert else None
-    return {"edgeq": edgeq.__version__, "numpy": dist("numpy"), "runtime": runtime}
-
-
-def pinned(requirements) -> list[str]:
-    """``requirements`` at this host's versions where it has them (numpy==2.4.6, ...): a device
-    then runs what the host verified against."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = []
-    for name in requirements:
-        try:
-            out.append(f"{name}=={version(name)}")
-        except PackageNotFoundError:
-            out.append(name)
-    return out
-
-
-def probe(
-    transport: Transport, python: str | None = None, env: dict[str, str] | None = None, prepare: tuple = ()
-) -> Probe:
-    """Run the stand-alone probe with the device's python and parse its JSON. ``prepare``:
-    the probe's --remove/--mkdir/--list arguments, done in the same start-up."""
-    device = transport.device
-    python = python or device.python
-    source = PROBE_SCRIPT.read_text(encoding="utf-8")
-    result = transport.run([python, "-c", source, device.workdir, *prepare], env=env, timeout=120)
-    if not result.ok:
-        raise DeviceError(f"{device.name}: {python} does not run: {result.last_error_line()}")
-    try:
-        data = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError) as exc:
-        raise DeviceError(f"{device.name}: the probe printed no JSON: {result.stdout[:200]!r}") from exc
-    tpu = data.pop("edgetpu", {}) or {}
-    return Probe(edgetpu_library=tpu.get("library"), edgetpu_devices=tuple(tpu.get("devices") or ()), **data)
-
-
-def _source_root() -> Path:
-    root = Path(edgeq.__file__).resolve().parents[1]
-    if not (root / "setup.py").is_file():
-        raise DeviceError(
-            f"edgeq runs from {root}, not from a checkout with setup.py: build a wheel "
-            "(pip wheel --no-deps .) and pass it with --wheel PATH"
-        )
-    return root
-
-
-def _source_hash(root: Path) -> str:
-    digest = hashlib.sha256()
-    names = ["setup.py", "pyproject.toml", "README.md"]
-    files = [root / n for n in names if (root / n).is_file()]
-    for folder in ("edgeq",):
-        files += sorted(
-            p for p in (root / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
-        )
-    for path in files:
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-_BUILD_LOCK = threading.Lock()
-
-
-def build_wheel(root: Path | None = None) -> Path:
-    """The edgeq wheel of this checkout, built once per source state and cached.
-
-    Devices bootstrap in parallel threads: one builds, the others wait for it; the cached
-    file appears atomically, so no reader ever sees half a wheel.
-    """
-    root = root or _source_root()
-    with _BUILD_LOCK, folder_lock(WHEEL_CACHE / ".build"):  # and another process building it
-        return _build_wheel(root)
-
-
-KEEP_SOURCE_BUILDS = 4  # edgeq-src-* folders kept in the wheel cache, most recently used first
-
-
-def _build_wheel(root: Path) -> Path:
-    out = WHEEL_CACHE / f"edgeq-src-{_source_hash(root)}"
-    found = sorted(out.glob("edgeq-*.whl"))
-    if found:
-        os.utime(out)  # used now: the pruning below keeps the most recently used builds
-        return found[0]
-    with tempfile.TemporaryDirectory(prefix="edgeq-wheel-") as tmp:
-        src = Path(tmp) / "src"
-        src.mkdir()
-        for name in ("setup.py", "pyproject.toml", "README.md"):
-            if (root / name).is_file():
-                shutil.copy2(root / name, src / name)
-        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-        for name in ("edgeq",):
-            if (root / name).is_dir():
-                shutil.copytree(root / name, src / name, ignore=ignore)
-        dist = Path(tmp) / "dist"
-        base = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist)]
-        proc = subprocess.run([*base, "--no-build-isolation", str(src)], capture_output=True, text=True, cwd=tmp)
-        if proc.returncode != 0:  # no setuptools/wheel here: let pip fetch a build backend
-            proc = subprocess.run([*base, str(src)], capture_output=True, text=True, cwd=tmp)
-        wheels = sorted(dist.glob("edgeq-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise DeviceError(f"cannot build the edgeq wheel from {root}: {(proc.stderr or proc.stdout)[-400:]}")
-        final = out / wheels[0].name
-        with atomic_path(final) as part:
-            shutil.copy2(wheels[0], part)
-    log.info("built %s", final)
-    _prune_source_builds(out)
-    return final
-
-
-def _prune_source_builds(current: Path) -> None:
-    """One wheel per source state would pile up with every edit of a checkout: only the
-    KEEP_SOURCE_BUILDS most recently used stay (the one just built among them)."""
-    builds = [p for p in WHEEL_CACHE.glob("edgeq-src-*") if p.is_dir() and p != current]
-    builds.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in builds[KEEP_SOURCE_BUILDS - 1 :]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _platform_tags(info: Probe) -> list[str]:
-    arch = info.machine
-    tags = []
-    glibc = info.glibc.split("-")[-1] if info.glibc.startswith("glibc") else ""
-    try:
-        major, minor = (int(p) for p in glibc.split(".")[:2])
-    except ValueError:
-        major, minor = 2, 17
-    for m in range(17, minor + 1) if major == 2 else [17]:
-        tags.append(f"manylinux_2_{m}_{arch}")
-    tags.append(f"manylinux2014_{arch}")
-    return tags
-
-
-_COMPLETE = ".complete"  # in a wheel cache folder: the wheels one pip download left there
-_DOWNLOAD_LOCKS: dict[str, threading.Lock] = {}
-
-
-def _keyed_lock(locks: dict[str, threading.Lock], key: str) -> threading.Lock:
-    """The one lock of ``key`` in ``locks``, made on first use (device threads share it)."""
-    with _BUILD_LOCK:
-        return locks.setdefault(key, threading.Lock())
-
-
-def download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Path]:
-    """Wheels of ``requirements`` for the device's platform and Python, fetched here once.
-
-    A folder a download completed is reused without running pip again (one pip per
-    platform and version set, not one per device of a fleet); devices in parallel threads
-    wait for the one that downloads.
-    """
-    with _keyed_lock(_DOWNLOAD_LOCKS, str(dest)), folder_lock(dest):
-        done = dest / _COMPLETE
-        if done.is_file():
-            found = [dest / name for name in done.read_text(encoding="utf-8").split()]
-            if found and all(p.is_file() for p in found):
-                return found
-        wheels = _download_wheels(info, requirements, dest)
-        with atomic_path(done) as part:
-            part.write_text("\n".join(p.name for p in wheels) + "\n", encoding="utf-8")
-        return wheels
-
-
-def _download_wheels(info: Probe, requirements: list[str], dest: Path) -> list[Path]:
-    dest.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "-d", str(dest)]
-    args += ["--python-version", info.python_tag, "--implementation", "cp"]
-    for tag in _platform_tags(info):
-        args += ["--platform", tag]
-    proc = subprocess.run([*args, *requirements], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise DeviceError(
-            f"cannot download wheels of {', '.join(requirements)} for {info.machine} / Python {info.python_tag}: "
-            f"{(proc.stderr or proc.stdout).strip()[-300:]}"
-        )
-    return sorted(dest.glob("*.whl"))
 
 
 def _read_marker(transport: Transport, path: str) -> str | None:
@@ -606,20 +335,3 @@ def _schema_for_tflite_runtime() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(spec.origin, target)
     return target
-
-
-def _dependency_wheels(info: Probe, requirements, wheels_dir: str | Path | None) -> list[Path]:
-    """Wheels for a device without internet: from --wheels DIR, else downloaded here."""
-    if wheels_dir:
-        found = sorted(Path(wheels_dir).glob("*.whl"))
-        if not found:
-            raise DeviceError(f"{wheels_dir}: no .whl files in it")
-        return found
-    tag = f"{info.machine}-cp{info.python_tag.replace('.', '')}"
-    pins = pinned(requirements)
-    key = hashlib.sha256(" ".join(sorted(pins)).encode()).hexdigest()[:10]
-    try:  # the host's versions, each set in its own cache folder so that only those are pushed
-        return download_wheels(info, pins, WHEEL_CACHE / f"deps-{tag}-{key}")
-    except DeviceError as exc:  # e.g. an older Python with no wheel of the host's numpy
-        log.warning("%s; taking the newest versions that fit (devices check shows the drift)", exc)
-        return download_wheels(info, list(requirements), WHEEL_CACHE / f"deps-{tag}")

@@ -21,12 +21,14 @@ from typing import Any
 import numpy as np
 
 from edgeq.errors import DeviceError, EdgeqError, FleetInterrupted
-from edgeq.fleet.bootstrap import DeviceRuntime, Probe, ensure_runtime, probe, rollback_runtime, runtime_layout
+from edgeq.fleet.bootstrap import ensure_runtime, rollback_runtime, runtime_layout
+from edgeq.fleet.connection import connect
 from edgeq.fleet.health import DeviceUnhealthy, HealthLimits, check_health
 from edgeq.fleet.inventory import Device
+from edgeq.fleet.probe import DeviceRuntime, Probe, probe
 from edgeq.fleet.push import FileTransfer, Rollback, push_files, rollback_files, upload_and_commit, with_manifests
 from edgeq.fleet.rollout import Rollout
-from edgeq.fleet.transport import CANCEL, Transport, confine, connect
+from edgeq.fleet.transport import CANCEL, Transport, confine
 from edgeq.tasks.metrics import top1_agreement
 
 log = logging.getLogger(__name__)
@@ -400,8 +402,8 @@ def profile_on(
 
 def _score_device_detections(report: dict, detections_file: Path, data: str | Path) -> dict:
     """The device's decoded detections scored by pycocotools on this host (COCO mAP)."""
+    from edgeq.profile.run import read_detections
     from edgeq.runtime.inputs import read_npz
-    from edgeq.runtime.profile import read_detections
     from edgeq.tasks.detection import mean_average_precision
 
     arrays = read_npz(data)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import table
 from edgeq.train.distribute import STRATEGIES  # light: no TensorFlow until a strategy is set up
+from edgeq.ui import table
 
 
 def _model_options(values: tuple[str, ...]) -> dict:

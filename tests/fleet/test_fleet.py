@@ -71,8 +71,8 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
     assert "accuracy " in lines["pi4-emu"] and "task metric" in profiled.stdout  # the metric names itself
 
     # the fleet section of `edgeq report`: one row per device, the device's own numbers
-    from edgeq.reporting import collect
-    from edgeq.reporting.build import render
+    from edgeq.report.sources import collect
+    from edgeq.report.build import render
 
     _, context = render(collect([tmp_path / "results"]))
     rows = {r["device"]: r for r in context["fleet"]}
@@ -84,7 +84,7 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
 
     # Bootstrapped once: a second push sends nothing and installs nothing (unless someone
     # edited the checkout meanwhile: then the new edgeq wheel is installed, as it should be).
-    from edgeq.fleet.bootstrap import _source_hash
+    from edgeq.fleet.wheels import _source_hash
 
     source = _source_hash(ROOT)
     again = _run(cli, fleet, "push", INT8, DIGITS, "--to", "tag:ci")
@@ -125,8 +125,8 @@ def test_verify_int8_bit_exact_on_aarch64_and_x86(cli, fleet, tmp_path):
     saved = {d["device"]: d for d in json.loads(out.read_text())["devices"]}
     assert saved["pi4-emu"]["bit_exact"] and saved["pi4-emu"]["samples"] == 64 and saved["x86-venv"]["status"] == "ok"
 
-    from edgeq.reporting import collect
-    from edgeq.reporting.build import render
+    from edgeq.report.sources import collect
+    from edgeq.report.build import render
 
     html, context = render(collect([out]))
     assert context["verdict"]["status"] == "pass"
@@ -417,8 +417,8 @@ def test_connect_retries_with_backoff_until_sshd_answers(fleet, tmp_path):
     failed attempt (from the retry's own log record, not on a timer) is reached."""
     import logging
 
+    from edgeq.fleet.connection import connect
     from edgeq.fleet.inventory import Device
-    from edgeq.fleet.transport import connect
 
     from .conftest import free_port
 
@@ -492,8 +492,8 @@ def test_a_command_timeout_kills_the_remote_process_group(fleet, name):
     import uuid
 
     from edgeq.errors import DeviceError
+    from edgeq.fleet.connection import connect
     from edgeq.fleet.inventory import load_inventory
-    from edgeq.fleet.transport import connect
 
     device = load_inventory(fleet.inventory).get(name)
     marker = f"edgeq-stray-{uuid.uuid4().hex[:8]}"
@@ -531,8 +531,8 @@ def test_ctrl_c_stops_the_remote_profile_and_leaves_no_process(fleet, tmp_path):
     errors = _errors(err)
     assert len(errors) == 1 and "interrupted" in errors[0] and "finished on 0 of 1" in errors[0], err
     assert "Traceback" not in err
+    from edgeq.fleet.connection import connect
     from edgeq.fleet.inventory import load_inventory
-    from edgeq.fleet.transport import connect
 
     with connect(load_inventory(fleet.inventory).get("x86-venv")) as transport:
         assert _device_processes(transport, "--min-seconds 987") == []
@@ -540,8 +540,8 @@ def test_ctrl_c_stops_the_remote_profile_and_leaves_no_process(fleet, tmp_path):
 
 def test_ssh_config_host_alias_and_proxyjump(fleet, tmp_path, monkeypatch):
     """~/.ssh/config (here EDGEQ_SSH_CONFIG) resolves HostName, Port, User, IdentityFile and ProxyJump."""
+    from edgeq.fleet.connection import connect
     from edgeq.fleet.inventory import load_inventory
-    from edgeq.fleet.transport import connect
 
     port = fleet.sshd.port
     config = tmp_path / "ssh_config"
@@ -632,7 +632,7 @@ def test_push_keeps_the_previous_version_and_rollback_swaps_it_back(cli, fleet, 
 
 
 def test_version_drift_is_named_against_the_host():
-    from edgeq.fleet.bootstrap import Probe, host_versions
+    from edgeq.fleet.probe import Probe, host_versions
 
     host = host_versions()
     probe = Probe(
@@ -654,7 +654,7 @@ def test_runtime_rollback_in_a_virtualenv_over_ssh(cli, fleet, tmp_path, monkeyp
     reinstalls that one and records it as live (and x86-venv ends on this checkout's build)."""
     import hashlib
 
-    from edgeq.fleet.bootstrap import build_wheel
+    from edgeq.fleet.wheels import build_wheel
 
     from .test_local_fleet import another_build
 

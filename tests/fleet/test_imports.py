@@ -18,7 +18,7 @@ def _loaded(code: str) -> str:
 def test_fleet_commands_do_not_import_tensorflow():
     out = _loaded(
         "import sys\n"
-        "import edgeq.commands.devices, edgeq.commands.push, edgeq.commands.verify, edgeq.commands.profile\n"
+        "import edgeq.fleet.cli.devices, edgeq.fleet.cli.push, edgeq.fleet.cli.verify, edgeq.profile.cli\n"
         "import edgeq.fleet.remote, edgeq.fleet.transport, edgeq.fleet.bootstrap, edgeq.fleet.inventory\n"
         "print('TF' if 'tensorflow' in sys.modules else 'NO_TF')\n"
     )

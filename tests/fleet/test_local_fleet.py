@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from edgeq.errors import DeviceError
+from edgeq.fleet.connection import LocalTransport, connect
 from edgeq.fleet.inventory import Device
-from edgeq.fleet.transport import LocalTransport, backoff_delay, connect
+from edgeq.fleet.transport import backoff_delay
 
 from .conftest import DIGITS, INT8, PI4_PYTHON
 
@@ -239,7 +240,7 @@ def test_runtime_rollback_swaps_the_site_back_atomically(cli, tmp_path, monkeypa
     again (WORKDIR/site is a symlink renamed over in one step), and back again."""
     import hashlib
 
-    from edgeq.fleet.bootstrap import build_wheel
+    from edgeq.fleet.wheels import build_wheel
 
     monkeypatch.chdir(tmp_path)
     first = build_wheel()
@@ -289,7 +290,7 @@ def test_a_site_installed_before_runtime_versions_is_kept_for_rollback(cli, tmp_
     .edgeq-runtime.json: the next push of another build moves it aside as the previous runtime."""
     import shutil
 
-    from edgeq.fleet.bootstrap import build_wheel
+    from edgeq.fleet.wheels import build_wheel
 
     monkeypatch.chdir(tmp_path)
     first = build_wheel()
@@ -392,9 +393,9 @@ def test_the_host_keeps_only_the_last_few_source_builds(tmp_path, monkeypatch):
     used. The dependency wheels beside them stay."""
     import time
 
-    from edgeq.fleet import bootstrap
+    from edgeq.fleet import wheels
 
-    monkeypatch.setattr(bootstrap, "WHEEL_CACHE", tmp_path / "wheels")
+    monkeypatch.setattr(wheels, "WHEEL_CACHE", tmp_path / "wheels")
     old = []
     for i in range(6):  # six earlier source states, the first used longest ago
         folder = tmp_path / "wheels" / f"edgeq-src-{i:016x}"
@@ -406,12 +407,12 @@ def test_the_host_keeps_only_the_last_few_source_builds(tmp_path, monkeypatch):
     deps.mkdir()
     os.utime(old[0], None)  # the oldest was used again just now
 
-    built = bootstrap.build_wheel()
+    built = wheels.build_wheel()
     assert built.is_file() and built.parent.name.startswith("edgeq-src-") and built.parent not in old
     kept = sorted(p.name for p in (tmp_path / "wheels").glob("edgeq-src-*"))
     assert kept == sorted([built.parent.name, old[0].name, old[5].name, old[4].name])
-    assert bootstrap.KEEP_SOURCE_BUILDS == 4 and deps.is_dir()
-    assert bootstrap.build_wheel() == built  # cached: nothing rebuilt, nothing pruned
+    assert wheels.KEEP_SOURCE_BUILDS == 4 and deps.is_dir()
+    assert wheels.build_wheel() == built  # cached: nothing rebuilt, nothing pruned
     assert len(list((tmp_path / "wheels").glob("edgeq-src-*"))) == 4
 
 

@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 
 from edgeq.errors import DataError, UsageError
+from edgeq.profile.host import peak_rss_mb, reset_peak_rss
+from edgeq.profile.results import report_to_dict
+from edgeq.profile.run import latency_stats, profile_model
+from edgeq.profile.samples import load_npz
 from edgeq.runtime.interpreter import TFLiteModel
-from edgeq.runtime.profile import (
-    latency_stats,
-    load_npz,
-    peak_rss_mb,
-    profile_model,
-    report_to_dict,
-    reset_peak_rss,
-)
 
 from .conftest import DIGITS, FP32, INT8, UINT8
 

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import click
 
-from edgeq.commands import ui
+from edgeq import ui
 
 
 @click.command("verify")

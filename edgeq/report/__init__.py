@@ -4,9 +4,10 @@ It reads the files the other stages wrote (run folders, conversion manifests, ev
 analyze, profile and verify JSON, .tflite files) and writes one HTML file whose plots are
 inline, so that it opens anywhere, offline, and can be sent on. No TensorFlow: a report
 is made from files, on any machine that has them.
+
+- ``sources``: the records found in the folders given (``collect``)
+- ``sections``: each section's rows and figures, from those records; ``format``: numbers in their units
+- ``figures``: the plots (matplotlib, inlined as SVG)
+- ``build``: ``build_report``: records in, one HTML page out
+- ``cli``: `edgeq report`
 """
-
-from edgeq.reporting.build import ReportResult, build_report
-from edgeq.reporting.sources import Sources, collect
-
-__all__ = ["ReportResult", "Sources", "build_report", "collect"]

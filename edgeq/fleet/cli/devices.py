@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import (
+from edgeq.ui import (
     failed_exit,
     host_key_option,
     human_bytes,
@@ -46,7 +46,7 @@ def check(targets, inventory_path, accept_new_host_keys, rollout) -> None:
 
     chosen = select_devices(inventory_path, targets, accept_new_host_keys)
     outcomes = for_each_device(chosen, check_device, rollout=rollout, on_event=progress_printer())
-    from edgeq.fleet.bootstrap import host_versions
+    from edgeq.fleet.probe import host_versions
 
     host = host_versions()
     rows = []

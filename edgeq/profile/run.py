@@ -1,9 +1,4 @@
-"""Measure a .tflite model on this machine: latency, memory, accuracy, against an FP32 twin.
-
-TensorFlow-free: the model runs in the LiteRT interpreter chosen by
-``edgeq.runtime.interpreter``. Everything returned is a frozen dataclass that
-``report_to_dict`` turns into the JSON that ``edgeq profile --json`` writes.
-"""
+"""``profile_model``: latency, memory, each output's scores, and the comparison with an FP32 twin."""
 
 from __future__ import annotations
 
@@ -12,436 +7,52 @@ import datetime as _dt
 import gc
 import logging
 import math
-import os
-import platform
-import resource
-import shutil
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgeq import __version__
-from edgeq.artifacts import atomic_path, sha256_bytes
+from edgeq.artifacts import atomic_path
 from edgeq.errors import DataError, MissingExtraError, ModelLoadError, UsageError
-from edgeq.runtime.flatbuffer import OpSummary, is_integer_only, op_summary, read_tflite
+from edgeq.profile.host import (
+    collect_environment,
+    current_rss_mb,
+    peak_rss_mb,
+    reset_peak_rss,
+    thermal_state,
+    throttled_between,
+)
+from edgeq.profile.results import (
+    MAX_RUNS,
+    PROGRESS_AFTER_S,
+    SCHEMA,
+    Agreement,
+    Comparison,
+    LatencyStats,
+    MemoryStats,
+    ModelFacts,
+    ModelProfile,
+    ProfileReport,
+    ProfileSettings,
+    RunResult,
+    Scores,
+    Thermal,
+)
+from edgeq.profile.samples import DeviceSamples, load_npz
+from edgeq.runtime.flatbuffer import is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
-    Normalization,
-    class_labels,
     detection_beside,
-    holds_class_ids,
     normalization_beside,
     outputs_beside,
-    read_npz,
-    samples,
-    samples_for,
 )
-from edgeq.runtime.interpreter import TensorInfo, TFLiteModel, quantize
-from edgeq.tasks.detection import GROUND_TRUTH
+from edgeq.runtime.interpreter import TFLiteModel, quantize
 from edgeq.tasks.metrics import metric
 from edgeq.tasks.table import TASKS, OutputSpec, compare, score, specs_for
 
 log = logging.getLogger(__name__)
-
-SCHEMA = "edgeq.profile/1"
-MAX_RUNS = 1_000_000  # a cap for --min-seconds on models that take microseconds
-PROGRESS_AFTER_S = 2.0  # show a progress bar when a loop is expected to take longer
-
-
-# ---------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class Environment:
-    """Where the numbers were measured."""
-
-    cpu_model: str
-    machine: str
-    cores: int
-    cores_available: int
-    governor: str | None
-    temperature_c: float | None
-    os: str
-    python: str
-    numpy_version: str
-    runtime: str
-    runtime_version: str
-    edgeq_version: str
-    hostname: str
-
-
-@dataclass(frozen=True)
-class LatencyStats:
-    """Milliseconds per inference over ``runs`` timed invocations (after warm-up)."""
-
-    runs: int
-    warmup: int
-    total_s: float
-    mean_ms: float
-    median_ms: float
-    p90_ms: float
-    p99_ms: float
-    std_ms: float
-    min_ms: float
-    max_ms: float
-    throughput_per_s: float  # samples per second at the median latency
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    """Resident memory of this process in MiB (VmHWM is reset before load and before runs)."""
-
-    rss_before_mb: float
-    peak_rss_load_mb: float
-    peak_rss_run_mb: float
-    peak_reset: bool  # False where the high-water mark could not be reset (then it is process-wide)
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One model at one thread count."""
-
-    threads: int
-    delegate: str
-    init_ms: float
-    first_inference_ms: float
-    latency: LatencyStats
-    memory: MemoryStats
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    path: str
-    sha256: str
-    size_bytes: int
-    integer_only: bool
-    inputs: tuple[TensorInfo, ...]  # as the interpreter reports them (runtime.interpreter)
-    outputs: tuple[TensorInfo, ...]
-    ops: OpSummary
-
-
-@dataclass(frozen=True)
-class Scores:
-    """Each output scored by its task on the data's labels; ``value``: the first output's primary metric."""
-
-    samples: int
-    labelled: bool
-    value: float | None  # the first output's primary metric (``metric``); None without labels
-    outputs: tuple[dict, ...] = ()  # each output: name, task, its task's metrics (edgeq.tasks.table.score)
-    detection: dict | None = None  # a detector on data with boxes: decoded here; mAP here or by the host
-    metric: str | None = None  # what ``value`` holds: accuracy, rmse, auc, map50 (edgeq.tasks.metrics.METRICS)
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    model: ModelFacts
-    runs: tuple[RunResult, ...]
-    scores: Scores | None  # None without data
-    detections: tuple | None = field(default=None, repr=False, compare=False)  # per image, not in the JSON
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """The model's outputs against the reference's on the same data (the first output; ``outputs``: each)."""
-
-    samples: int
-    top1_agreement: float | None  # None: the output is not classes
-    max_abs_error: float
-    mean_abs_error: float
-    rmse: float
-    sqnr_db: float | None = None
-    outputs: tuple[dict, ...] = ()  # each output by name: agreement, SQNR, max abs error
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Model vs reference at one thread count; speedup > 1 and size_ratio < 1 are wins."""
-
-    threads: int
-    speedup: float  # reference median / model median
-    size_ratio: float  # model bytes / reference bytes
-    worse_by: float | None  # how much worse the model's metric is, in change_unit (negative: better)
-    top1_agreement: float | None
-    max_abs_error: float | None
-    metric: str | None = None  # what worse_by measures (the first output's task metric)
-    change_unit: str | None = None  # of worse_by: "pp", "%" (of an error such as RMSE), "points"
-
-
-@dataclass(frozen=True)
-class DataInfo:
-    path: str
-    sha256: str
-    samples: int
-    labels: str | None
-
-
-@dataclass(frozen=True)
-class ProfileSettings:
-    threads: tuple[int, ...]
-    runs: int
-    warmup: int
-    min_seconds: float
-    delegate: str
-    runtime: str | None
-
-
-@dataclass(frozen=True)
-class ThermalState:
-    """What the device's thermals say at one moment (None: not readable on this device)."""
-
-    temperature_c: float | None  # the hottest thermal zone
-    cpu_mhz: float | None  # cpu0's current frequency
-    throttled: str | None  # Raspberry Pi firmware flags (`vcgencmd get_throttled`), e.g. "0x0"
-
-
-@dataclass(frozen=True)
-class Thermal:
-    """Before and after the timed runs; whether the device throttled in between."""
-
-    before: ThermalState
-    after: ThermalState
-    throttled_during: bool | None  # None: this device does not report throttling (no vcgencmd)
-
-
-@dataclass(frozen=True)
-class ProfileReport:
-    schema: str
-    edgeq_version: str
-    created: str
-    environment: Environment
-    settings: ProfileSettings
-    model: ModelProfile
-    reference: ModelProfile | None
-    agreement: Agreement | None
-    comparison: tuple[Comparison, ...]
-    data: DataInfo | None
-    thermal: Thermal | None = None
-
-
-# ------------------------------------------------------------------ environment
-
-
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text(errors="replace").strip()
-    except OSError:
-        return None
-
-
-def cpu_model() -> str:
-    """A human name for the CPU: x86 'model name', a Raspberry Pi's board model, or the arch."""
-    board = _read("/sys/firmware/devicetree/base/model")
-    info = _read("/proc/cpuinfo") or ""
-    fields: dict[str, str] = {}
-    for line in info.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip().lower(), value.strip())
-    for key in ("model name", "model", "hardware", "cpu model", "processor"):
-        value = fields.get(key)
-        if value and not value.isdigit():
-            return f"{value} ({board.rstrip(chr(0))})" if board and key != "model" else value
-    if board:
-        return board.rstrip("\x00")
-    part = fields.get("cpu part")
-    return f"{platform.machine()} CPU part {part}" if part else (platform.processor() or platform.machine())
-
-
-def collect_environment(runtime: str, runtime_version: str) -> Environment:
-    try:
-        available = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        available = os.cpu_count() or 1
-    temp = _read("/sys/class/thermal/thermal_zone0/temp")
-    return Environment(
-        cpu_model=cpu_model(),
-        machine=platform.machine(),
-        cores=os.cpu_count() or 1,
-        cores_available=available,
-        governor=_read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"),
-        temperature_c=round(int(temp) / 1000, 1) if temp and temp.lstrip("-").isdigit() else None,
-        os=platform.platform(),
-        python=platform.python_version(),
-        numpy_version=np.__version__,
-        runtime=runtime,
-        runtime_version=runtime_version,
-        edgeq_version=__version__,
-        hostname=platform.node(),
-    )
-
-
-def _sysfs() -> Path:
-    return Path(os.environ.get("EDGEQ_SYSFS", "/sys"))
-
-
-def thermal_state() -> ThermalState:
-    """Temperature (hottest zone), cpu0 frequency and, on a Raspberry Pi, the firmware's throttle flags."""
-    temps = []
-    for zone in sorted((_sysfs() / "class" / "thermal").glob("thermal_zone*/temp")):
-        text = _read(str(zone))
-        if text and text.lstrip("-").isdigit():
-            temps.append(int(text) / 1000)
-    freq = _read(str(_sysfs() / "devices" / "system" / "cpu" / "cpu0" / "cpufreq" / "scaling_cur_freq"))
-    throttled = None
-    vcgencmd = shutil.which("vcgencmd")
-    if vcgencmd:
-        try:
-            out = subprocess.run([vcgencmd, "get_throttled"], capture_output=True, text=True, timeout=10).stdout
-            throttled = out.strip().partition("=")[2] or None  # "throttled=0x50005"
-        except (OSError, subprocess.SubprocessError):
-            throttled = None
-    return ThermalState(
-        temperature_c=round(max(temps), 1) if temps else None,
-        cpu_mhz=round(int(freq) / 1000, 1) if freq and freq.isdigit() else None,
-        throttled=throttled,
-    )
-
-
-# vcgencmd get_throttled: bit 1 ARM frequency capped, bit 2 throttled, bit 3 soft temperature limit
-# (now); bits 17, 18, 19 the same "has occurred since boot".
-_THROTTLE_NOW, _THROTTLE_SINCE_BOOT = 0b1110, 0b1110 << 16
-
-
-def throttled_between(before: ThermalState, after: ThermalState) -> bool | None:
-    """True when the firmware capped or throttled the CPU between the two readings."""
-    if before.throttled is None or after.throttled is None:
-        return None
-    try:
-        first, last = int(before.throttled, 16), int(after.throttled, 16)
-    except ValueError:
-        return None
-    new_since_boot = (last & _THROTTLE_SINCE_BOOT) & ~(first & _THROTTLE_SINCE_BOOT)
-    return bool(last & _THROTTLE_NOW or new_since_boot)
-
-
-# ----------------------------------------------------------------------- memory
-
-
-def _status_mb(key: str) -> float | None:
-    status = _read("/proc/self/status")
-    if status:
-        for line in status.splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # kB
-    return None
-
-
-def current_rss_mb() -> float:
-    value = _status_mb("VmRSS")
-    return round(value, 1) if value is not None else peak_rss_mb()
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process (VmHWM, else getrusage) in MiB."""
-    value = _status_mb("VmHWM")
-    if value is None:
-        raw = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        value = raw / (1024 * 1024) if sys.platform == "darwin" else raw / 1024
-    return round(value, 1)
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-# ------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True)
-class DeviceSamples:
-    """The samples ``edgeq profile`` reads from an .npz on the device (numpy only; the host's
-    edgeq.data.Dataset, with splits and sources, needs TensorFlow)."""
-
-    x: np.ndarray | dict  # float32, batch first, in the model's float range; a dict by input name for several
-    y: np.ndarray | dict | None  # class ids or float targets; a dict by output name; None without labels
-    info: DataInfo
-
-    @property
-    def count(self) -> int:
-        return len(next(iter(self.x.values()))) if isinstance(self.x, dict) else len(self.x)
-
-    def targets(self, output: str, outputs: int):
-        if self.y is None:
-            return None
-        if isinstance(self.y, dict):
-            return self.y.get(output)
-        return self.y if outputs == 1 or output == "" else None
-
-
-def load_npz(
-    path: str | Path,
-    model_input: TensorInfo | dict,
-    labels: str | None = None,
-    inputs: str = "x",
-    normalization: Normalization | None = None,
-) -> DeviceSamples:
-    """Load inputs (and labels) from an .npz and check that they fit the model's input(s).
-
-    ``model_input``: the input's TensorInfo, or {input name: TensorInfo} for several inputs,
-    read from ``x_<name>`` arrays. Inputs are read by the input contract (edgeq.runtime.inputs):
-    raw uint8 normalised as ``normalization`` (the model's manifest) says, float samples
-    checked against it, or int8 codes of an int8 input. Labels are ``labels`` if given (then
-    required), else ``y`` (or ``y_<output name>`` for each output) if present: class ids (N,),
-    one-hot (N, classes), or float targets.
-    """
-    path = Path(path)
-    arrays = read_npz(path)
-    content = path.read_bytes()
-    infos = model_input if isinstance(model_input, dict) else {"": model_input}
-
-    def read(key: str, info: TensorInfo) -> np.ndarray:
-        x = samples_for(arrays, key, tuple(info.shape[1:]), path)
-        # the one input contract: raw uint8, float samples, or the codes of an int8 input (dequantized
-        # here; predict quantizes them back to the same codes). A --compare FP32 model gets these too.
-        int8_input = (info.scale, info.zero_point) if info.dtype == "int8" else None
-        return samples(x, normalization, str(path), int8_input=int8_input)
-
-    if len(infos) == 1:
-        x = read(inputs, next(iter(infos.values())))
-        count = len(x)
-    else:
-        x = {name: read(f"{inputs}_{name}", info) for name, info in infos.items()}
-        counts = {len(v) for v in x.values()}
-        if len(counts) != 1:
-            raise DataError(f"{path}: the input arrays hold different numbers of samples ({sorted(counts)})")
-        count = counts.pop()
-    named = {k[2:]: v for k, v in arrays.items() if k.startswith("y_")}
-    truth = {k: arrays[k] for k in GROUND_TRUTH if k in arrays}  # a detector's ground truth
-    key = labels if labels is not None else ("y" if "y" in arrays else ("y_*" if named or truth else None))
-    y = None
-    if key == "y_*":
-        y = {name: _targets(v, count, path, f"y_{name}") for name, v in named.items()}
-        y |= {k: np.asarray(v, np.float32 if k == "gt_boxes" else np.int64) for k, v in truth.items()}
-    elif key is not None:
-        if key not in arrays:
-            raise DataError(f"{path}: labels missing: no array {key!r} (it has {', '.join(sorted(arrays))})")
-        y = _targets(arrays[key], count, path, key)
-    info = DataInfo(str(path), sha256_bytes(content), int(count), key)
-    return DeviceSamples(x, y, info)
-
-
-def _targets(y: np.ndarray, count: int, path: Path, key: str) -> np.ndarray:
-    """Class ids (runtime.inputs.holds_class_ids), or float targets (regression)."""
-    y = np.asarray(y)
-    if holds_class_ids(y):
-        return class_labels(y, count, str(path), key)
-    if len(y) != count:
-        raise DataError(f"{path}: {len(y)} labels in {key!r} for {count} inputs")
-    if not np.issubdtype(y.dtype, np.number):
-        raise DataError(f"{path}: labels {key!r} must be class ids (N,), one-hot (N, C) or float targets")
-    return y.astype(np.float32)
-
-
-# ---------------------------------------------------------------------- measure
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -881,18 +492,3 @@ def _backend_of(runtime: str | None) -> tuple[str, str]:
 
     backend, _ = select_backend(runtime)
     return backend.name, backend_version(backend)
-
-
-def report_to_dict(report: ProfileReport) -> dict[str, Any]:
-    """The report as JSON-ready dicts and lists (what ``--json`` writes)."""
-
-    def clean(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value]
-        return value
-
-    return clean(dataclasses.asdict(report))

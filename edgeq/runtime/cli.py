@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import human_bytes, table, write_json_output
+from edgeq.ui import human_bytes, table, write_json_output
 
 
 def _quant(scale: tuple[float, ...], zero_point: tuple[int, ...]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands import ui
+from edgeq import ui
 
 
 @click.command("push")

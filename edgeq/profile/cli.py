@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
-from edgeq.commands.ui import (
+from edgeq.errors import UsageError
+from edgeq.tasks.metrics import metric
+from edgeq.ui import (
     failed_exit,
     health_options,
     host_key_option,
@@ -21,8 +23,6 @@ from edgeq.commands.ui import (
     table,
     write_json_output,
 )
-from edgeq.errors import UsageError
-from edgeq.tasks.metrics import metric
 
 
 def parse_threads(text: str) -> tuple[int, ...]:
@@ -207,7 +207,8 @@ def profile(
         )
         _profile_fleet(model, options, on_targets, inventory_path, rollout, results_dir, accept_new_host_keys, health)
         return
-    from edgeq.runtime.profile import profile_model, report_to_dict, write_detections
+    from edgeq.profile.results import report_to_dict
+    from edgeq.profile.run import profile_model, write_detections
 
     report = profile_model(
         model,

@@ -1,83 +1,25 @@
-"""From the documents found to one HTML page: the figures, the tables, the verdict."""
+"""The report's sections, each from the records it reads: models, outputs, training, plans, ops, fleet."""
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-import edgeq.reporting.figures as figures
-from edgeq import __version__
-from edgeq.artifacts import atomic_path
-from edgeq.errors import DataError, MissingExtraError
-from edgeq.reporting.sources import Sources, collect
-from edgeq.tasks.metrics import metric
+from edgeq.report import figures
+from edgeq.report.format import Check, _metric, _name, _num, change_label, fixed, metric_change, metric_label
+from edgeq.report.sources import Sources
 from edgeq.tasks.verdicts import Verdict
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ReportResult:
-    path: Path
-    size_bytes: int
-    seconds: float
-    verdict: str  # pass | fail | unknown
-    sections: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Check:
-    ok: bool | None  # None: a fact, not a pass or a failure
-    text: str
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def pct(value: Any) -> str:
-    v = _num(value)
-    return "-" if v is None else f"{v:.2%}"
-
-
-def signed(value: Any, digits: int = 2) -> str:
-    v = _num(value)
-    return "-" if v is None else f"{v:+.{digits}f}"
-
-
-def fixed(value: Any, digits: int = 1) -> str:
-    v = _num(value)
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def size(value: Any) -> str:
-    v = _num(value)
-    if v is None:
-        return "-"
-    return f"{v / 1024:.1f} KiB" if v < 1024 * 1024 else f"{v / 1024 / 1024:.2f} MiB"
-
-
-def _name(path: Any) -> str:
-    return Path(str(path)).name
-
-
-# ---------------------------------------------------------------- sections
-
 MODEL_FIELDS = (
     "reference", "mode", "dtype", "metric", "value", "worse_by", "agreement", "sqnr_db", "size_bytes", "size_ratio",
     "median_ms", "p90_ms", "speedup", "rss_mb", "threads", "integer_only", "verified", "data",
 )  # fmt: skip
+
+
 DEVICE_FIELDS = (
     "machine", "runtime", "model", "median_ms", "p90_ms", "value", "temperature_c", "throttled", "governor",
     "verify", "verify_ok", "top1_agreement", "metric",
@@ -183,28 +125,6 @@ def _eval_checks(d: dict) -> list[Check]:
     if d.get("labelled") is False:
         return [Check(None, f"{_name(d['model'])}: no labels, outputs compared only ({d.get('data')})")]
     return [Check(None, f"{_name(d['model'])}: no verdict in this record ({d.get('data')}): rerun edgeq eval on it")]
-
-
-def _metric(name: str, value: Any) -> str:
-    return metric(name).show(_num(value))
-
-
-def metric_value(value: Any, name: str | None) -> str:
-    """A value of metric ``name`` as a person reads it (a share in %, an error in its units)."""
-    return metric(name or "accuracy").show(_num(value))
-
-
-def metric_change(value: Any, name: str | None) -> str:
-    """How much worse, in the metric's change unit ("0.83 pp worse", "4.3 % RMSE worse")."""
-    return metric(name or "accuracy").show_change(_num(value))
-
-
-def metric_label(name: str | None) -> str:
-    return metric(name or "accuracy").label
-
-
-def change_label(name: str | None) -> str:
-    return metric(name or "accuracy").change_label
 
 
 def _outputs(sources: Sources) -> list[dict]:
@@ -575,88 +495,3 @@ def _provenance(sources: Sources) -> list[dict]:
             }
         )
     return rows
-
-
-# ---------------------------------------------------------------- page
-
-
-def _verdict(checks: list[Check]) -> dict:
-    failed = [c for c in checks if c.ok is False]
-    passed = [c for c in checks if c.ok is True]
-    if failed:
-        status, headline = "fail", f"FAILS: {failed[0].text}"
-    elif passed:
-        status, headline = "pass", f"PASSES: {len(passed)} check(s), none failed"
-    else:
-        status, headline = "unknown", "No pass/fail check in these files (no budget, manifest or verify result)"
-    order = failed + passed + [c for c in checks if c.ok is None]
-    return {"status": status, "headline": headline, "checks": order}
-
-
-def render(sources: Sources, title: str | None = None) -> tuple[str, dict]:
-    """The page's HTML and the context it was made from.
-
-    A record edgeq did not write as it is (edited by hand, cut short, from a newer edgeq) is named
-    in one DataError: when the page cannot be made, each document is tried alone to find it.
-    """
-    try:
-        import jinja2
-    except ImportError as exc:  # pragma: no cover - the report extra brings it
-        raise MissingExtraError('edgeq report needs Jinja2: pip install "edgeq[report]"') from exc
-    unreadable = (KeyError, TypeError, ValueError, AttributeError, IndexError, jinja2.TemplateError)
-    try:
-        return _render(sources, title, jinja2)
-    except unreadable:
-        for doc in sources.documents:
-            try:
-                _render(Sources([doc], []), title, jinja2)
-            except unreadable as own:
-                raise DataError(
-                    f"{doc.path}: edgeq report cannot read this {doc.kind} record ({type(own).__name__}: "
-                    f"{str(own)[:120]}); it is not as edgeq writes it: write it again with the command that made it"
-                ) from own
-        raise  # no one document is to blame: a fault of the report itself
-
-
-def _render(sources: Sources, title: str | None, jinja2) -> tuple[str, dict]:
-    models, model_checks = _models(sources)
-    plans, plan_checks = _plans(sources)
-    fleet, fleet_checks = _fleet(sources)
-    context = {
-        "title": title or "edgeq report",
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "edgeq_version": __version__,
-        "verdict": _verdict(model_checks + plan_checks + fleet_checks),
-        "models": models,
-        "outputs": _outputs(sources),
-        "training": _training(sources),
-        "sensitivity": _sensitivity(sources),
-        "plans": plans,
-        "weights": _weights(sources),
-        "ops": _ops(sources),
-        "fleet": fleet,
-        "provenance": _provenance(sources),
-    }
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader("edgeq.reporting", "templates"),
-        autoescape=jinja2.select_autoescape(["html", "j2"]),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    env.filters.update(pct=pct, signed=signed, fixed=fixed, size=size, metric_value=metric_value)
-    env.filters.update(metric_change=metric_change, metric_label=metric_label, change_label=change_label)
-    return env.get_template("report.html.j2").render(**context), context
-
-
-def build_report(paths: list[str | Path], out: str | Path, title: str | None = None) -> ReportResult:
-    """Collect what PATHS hold and write the report to OUT (atomically)."""
-    start = time.perf_counter()
-    sources = collect(paths)
-    page, context = render(sources, title)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        Path(tmp).write_text(page, encoding="utf-8")
-    sections = tuple(k for k in ("models", "training", "sensitivity", "plans", "weights", "ops", "fleet") if context[k])
-    return ReportResult(out, out.stat().st_size, time.perf_counter() - start, context["verdict"]["status"], sections)

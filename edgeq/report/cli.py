@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeq.commands.ui import human_bytes
+from edgeq.ui import human_bytes
 
 
 @click.command("report")
@@ -14,7 +14,7 @@ from edgeq.commands.ui import human_bytes
 @click.option("--open", "open_browser", is_flag=True, help="Open the page in the default browser, where there is one.")
 def report(paths, out, title, open_browser):
     """Run folders and edgeq JSON (manifests, eval, analyze, profile, verify) and .tflite files -> one HTML page."""
-    from edgeq.reporting import build_report
+    from edgeq.report.build import build_report
 
     result = build_report(list(paths), out, title=title)
     words = {"pass": "passes", "fail": "FAILS", "unknown": "no pass/fail check"}[result.verdict]

@@ -1,0 +1,1 @@
+"""The fleet's commands: `edgeq push`, `verify`, `devices`, `release` and `pull`."""
