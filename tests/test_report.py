@@ -167,8 +167,8 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(cli, tmp_path):
 
 def test_sensitivity_and_plan_sections(cli, digits_run, tmp_path):
     """analyze sensitivity and plan output become their sections (bars, frontier), without a browser."""
-    from edgeq.report.sources import collect
     from edgeq.report.build import render
+    from edgeq.report.sources import collect
 
     sens = tmp_path / "s.json"
     ok = cli("analyze", "sensitivity", digits_run.fp32_model, "--data", "digits", "--calib-samples", "50",
@@ -188,8 +188,8 @@ def test_a_device_that_throttled_fails_the_page(cli, tmp_path, monkeypatch):
     """A fleet profile (results/DEVICE/*.profile.json) taken while the device throttled: flagged at the top."""
     import os
 
-    from edgeq.report.sources import collect
     from edgeq.report.build import render
+    from edgeq.report.sources import collect
 
     from .runtime.conftest import INT8
     from .runtime.test_cli import _pi_like

@@ -359,8 +359,8 @@ def _targets(kind: str, path: Path):
     if kind == "report":
 
         def report():
-            from edgeq.report.sources import collect
             from edgeq.report.build import render
+            from edgeq.report.sources import collect
 
             render(collect([path.parent]))
 

@@ -71,8 +71,8 @@ def test_push_then_profile_on_all(cli, fleet, tmp_path, monkeypatch, record_prop
     assert "accuracy " in lines["pi4-emu"] and "task metric" in profiled.stdout  # the metric names itself
 
     # the fleet section of `edgeq report`: one row per device, the device's own numbers
-    from edgeq.report.sources import collect
     from edgeq.report.build import render
+    from edgeq.report.sources import collect
 
     _, context = render(collect([tmp_path / "results"]))
     rows = {r["device"]: r for r in context["fleet"]}
@@ -125,8 +125,8 @@ def test_verify_int8_bit_exact_on_aarch64_and_x86(cli, fleet, tmp_path):
     saved = {d["device"]: d for d in json.loads(out.read_text())["devices"]}
     assert saved["pi4-emu"]["bit_exact"] and saved["pi4-emu"]["samples"] == 64 and saved["x86-venv"]["status"] == "ok"
 
-    from edgeq.report.sources import collect
     from edgeq.report.build import render
+    from edgeq.report.sources import collect
 
     html, context = render(collect([out]))
     assert context["verdict"]["status"] == "pass"
