@@ -383,7 +383,7 @@ def test_analyze_reads_raw_data_in_the_units_the_model_was_trained_in(digits_run
 
     bunch = load_digits()
     np.savez(tmp_path / "raw.npz", x=bunch.images.astype(np.uint8), y=bunch.target)
-    _, raw = load_fp32_with_data(digits_run.fp32_model, f"npz:{tmp_path / 'raw.npz'}", "analyze")
+    _, raw, _ = load_fp32_with_data(digits_run.fp32_model, f"npz:{tmp_path / 'raw.npz'}", "analyze")
     np.testing.assert_allclose(raw.x_test, load_dataset("digits").x_test, rtol=0, atol=1e-7)
 
 

@@ -84,7 +84,10 @@ def _inputs_of_every_consumer(model_path, run_qat_model, data_file):
     info = model.input
     shape = tuple(info.shape[1:])
     evaluated = load_dataset(f"npz:{data_file}", shape, normalization=normalization_beside(model_path))
-    calibration, _ = _calibration(run_qat_model, shape, f"npz:{data_file}", 64, True, [])
+    from edgeq.models.load import describe, load_user_model
+
+    source = describe(load_user_model(run_qat_model), run_qat_model)
+    calibration, _ = _calibration(source, f"npz:{data_file}", 64, True, [])
     return {
         "eval": quantize(evaluated.x_test, info),
         "profile --data (host and device)": quantize(

@@ -171,59 +171,19 @@ def make_plan(
         raise UsageError(
             "--fallback int16 plans LiteRT Quantizer's per-channel models: drop --int4 and --granularity per-tensor"
         )
-    model, dataset = load_fp32_with_data(model_path, data, "plan from")
+    model, dataset, described = load_fp32_with_data(model_path, data, "plan from")
     x, _ = dataset.split(split)
     if len(x) == 0:
         raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")
-    quality = quality_of(model, model_path, dataset, split, task_spec)
-    seen: dict[tuple, np.ndarray] = {}  # each measured plan's outputs, by the layers it moved
-    if fallback == "int16":
-        from edgeq.quantize.mixed import calibrate_mixed
-
-        cal = calibrate_mixed(model, dataset.calibration_samples(samples), ranges=ranges)
-        reference = predict(cal.float_model, x)
-        fp32_acc = quality.value(reference)
-
-        def measure(wide: list[str]) -> PlanPoint:
-            model_bytes = cal.quantize(wide)
-            out = predict(model_bytes, x)
-            acc = quality.value(out)
-            point = PlanPoint((), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes), (), tuple(wide))
-            seen[point.changed] = out
-            return point
-
-    else:
-        cal = calibrate(model, dataset, samples, per_tensor, ranges)
-        if not cal.nodes:
-            raise UsageError(f"{model_path}: the converter quantized no layer: there is nothing to plan")
-        reference = predict(cal.float_model, x)
-        fp32_acc = quality.value(reference)
-
-        def measure(float_layers: list[str]) -> PlanPoint:
-            model_bytes = cal.quantize(cal.nodes_of_layers(float_layers))
-            out = predict(model_bytes, x)
-            acc = quality.value(out)
-            point = PlanPoint(tuple(float_layers), acc, round(quality.points(fp32_acc, acc), 4), len(model_bytes))
-            seen[point.changed] = out
-            return point
-
+    quality = quality_of(model, described, dataset, split, task_spec)
+    calibration = (samples, per_tensor, ranges)
+    cal, reference, measure, seen = _measurer(model, dataset, x, quality, fallback, calibration, model_path)
+    fp32_acc = quality.value(reference)
     frontier = [measure([])]
     int8_acc = frontier[0].value
-    # The per-layer ranking costs two quantizations and two passes per layer (a trained
-    # EfficientNetB0's plan took 7.5 minutes with it, 40 s without); it is only needed when
-    # full INT8 misses the budget, or to order the layers that --int4 tries.
-    ranked, ranking = [], []
-    if fallback == "int16":
-        if frontier[0].worse_by > max_drop_pp and len(cal.layers) <= EXACT_LAYERS:
-            ranking = _wide_ranking(model, cal, x, quality, int8_acc, reference, progress)
-        elif frontier[0].worse_by > max_drop_pp:
-            ranking = _fast_wide_ranking(model, dataset, samples, cal.layers)
-            _prefix_search(ranking, measure, max_drop_pp, frontier)
-    elif frontier[0].worse_by > max_drop_pp or int4:
-        _, _, ranked = exact_sensitivity(cal, x, quality, progress)
-        # Keep float first the layers whose float-ness buys back the most accuracy.
-        ranked.sort(key=lambda r: (-r.gain, -r.loss, -r.mse_only_this))
-        ranking = [r.layer for r in ranked]
+    ranked, ranking = _ranked_layers(
+        model, dataset, cal, x, quality, (fallback, max_drop_pp, int4, samples), frontier, reference, progress, measure
+    )
     if fallback == "float" or len(cal.layers) <= EXACT_LAYERS:
         _greedy(ranking, measure, max_drop_pp, frontier)
     meeting = sorted((p for p in frontier if p.worse_by <= max_drop_pp), key=lambda p: (len(p.changed), p.worse_by))
@@ -263,6 +223,64 @@ def make_plan(
         len(x),
         verdict,
     )
+
+
+def _measurer(model, dataset, x, quality, fallback: str, calibration: tuple, where):
+    """The calibration a plan search quantizes from, the FP32 outputs on ``x``, and ``measure``:
+    one plan (the layers it moves to 16 bits or float) quantized and scored. ``seen`` keeps each
+    measured plan's outputs, by the layers it moved, for the verdict on the chosen one."""
+    samples, per_tensor, ranges = calibration
+    seen: dict[tuple, np.ndarray] = {}
+    if fallback == "int16":
+        from edgeq.quantize.mixed import calibrate_mixed
+
+        cal = calibrate_mixed(model, dataset.calibration_samples(samples), ranges=ranges)
+    else:
+        cal = calibrate(model, dataset, samples, per_tensor, ranges)
+        if not cal.nodes:
+            raise UsageError(f"{where}: the converter quantized no layer: there is nothing to plan")
+    reference = predict(cal.float_model, x)
+    fp32_acc = quality.value(reference)
+
+    def measure(layers: list[str]) -> PlanPoint:
+        if fallback == "int16":
+            model_bytes = cal.quantize(layers)
+        else:
+            model_bytes = cal.quantize(cal.nodes_of_layers(layers))
+        out = predict(model_bytes, x)
+        acc = quality.value(out)
+        worse = round(quality.points(fp32_acc, acc), 4)
+        if fallback == "int16":
+            point = PlanPoint((), acc, worse, len(model_bytes), (), tuple(layers))
+        else:
+            point = PlanPoint(tuple(layers), acc, worse, len(model_bytes))
+        seen[point.changed] = out
+        return point
+
+    return cal, reference, measure, seen
+
+
+def _ranked_layers(model, dataset, cal, x, quality, search: tuple, frontier, reference, progress, measure):
+    """The layers in the order the search tries them (and the sensitivity rows behind it, for --int4).
+
+    The per-layer ranking costs two quantizations and two passes per layer (a trained
+    EfficientNetB0's plan took 7.5 minutes with it, 40 s without); it is only needed when
+    full INT8 misses the budget, or to order the layers that --int4 tries."""
+    fallback, max_drop_pp, int4, samples = search
+    int8_acc = frontier[0].value
+    ranked, ranking = [], []
+    if fallback == "int16":
+        if frontier[0].worse_by > max_drop_pp and len(cal.layers) <= EXACT_LAYERS:
+            ranking = _wide_ranking(model, cal, x, quality, int8_acc, reference, progress)
+        elif frontier[0].worse_by > max_drop_pp:
+            ranking = _fast_wide_ranking(model, dataset, samples, cal.layers)
+            _prefix_search(ranking, measure, max_drop_pp, frontier)
+    elif frontier[0].worse_by > max_drop_pp or int4:
+        _, _, ranked = exact_sensitivity(cal, x, quality, progress)
+        # Keep float first the layers whose float-ness buys back the most accuracy.
+        ranked.sort(key=lambda r: (-r.gain, -r.loss, -r.mse_only_this))
+        ranking = [r.layer for r in ranked]
+    return ranked, ranking
 
 
 def _check_layer_names(model, model_path, best: PlanPoint) -> None:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from edgeq.errors import UsageError
+from edgeq.models.spec import ModelSpec
 from edgeq.quantize.calibration import Calibrated, calibrate, predict
 from edgeq.shims.tflite import native_output_silenced
 from edgeq.tasks.table import OutputSpec, predicted, score, task, worse_by
@@ -139,11 +140,11 @@ class Quality:
         return float("nan") if got is None else got
 
 
-def quality_of(model, model_path, dataset, split: str, declared: str | None = None) -> Quality:
-    """The Quality of ``model``'s one output on ``split``; refused where its task has nothing to score."""
-    from edgeq.models.load import output_specs
+def quality_of(model, described: ModelSpec, dataset, split: str, declared: str | None = None) -> Quality:
+    """The Quality of the model's one output on ``split``; refused where its task has nothing to score."""
+    from edgeq.models.load import task_targets
 
-    spec = output_specs(model, declared, model_path, dataset)[0]
+    spec = described.tasks(declared, task_targets(dataset, described.output_names))[0]
     metric = task(spec.kind).primary
     x, _ = dataset.split(split)
     targets = dataset.targets(split)
@@ -152,9 +153,9 @@ def quality_of(model, model_path, dataset, split: str, declared: str | None = No
         targets = fp32_answers(spec, model.predict(x, batch_size=64, verbose=0))
     if not metric or (targets is None and spec.kind != "reconstruction"):
         raise UsageError(
-            f"{model_path}: its output {spec.name!r} is {spec.kind}: analyze ranks layers by a task metric on labelled "
-            "data (class ids, 0/1 labels or float targets in 'y'), or for a classifier on any samples by agreement "
-            "with FP32; declare the task with --task if it is inferred wrong"
+            f"{described.name}: its output {spec.name!r} is {spec.kind}: analyze ranks layers by a task metric on "
+            "labelled data (class ids, 0/1 labels or float targets in 'y'), or for a classifier on any samples by "
+            "agreement with FP32; declare the task with --task if it is inferred wrong"
         )
     return Quality(metric, spec, targets, x, label_free)
 
@@ -200,27 +201,25 @@ def exact_sensitivity(cal: Calibrated, x: np.ndarray, quality: Quality, progress
 
 
 def load_fp32_with_data(model_path, data: str, verb: str):
-    """The FP32 Keras model and a dataset that fits its input; a QAT model is refused."""
+    """The FP32 model (as tf_keras), a dataset that fits its input, and its ModelSpec; a QAT model is refused."""
     from edgeq.data.sources import load_dataset
-    from edgeq.models.load import load_tf_keras_model, recorded_normalization
-    from edgeq.train.schemes import is_qat_model
+    from edgeq.models.load import as_tf_keras, describe, load_user_model
 
-    model = load_tf_keras_model(model_path)
-    if is_qat_model(model):
+    model = load_user_model(model_path)
+    described = describe(model, model_path)
+    if described.is_qat:
         raise UsageError(f"{model_path} is a QAT model; {verb} the FP32 model it was trained from")
-    if len(model.inputs) != 1 or len(model.outputs) != 1:
+    if not described.single_io:
         raise UsageError(
-            f"{model_path} has {len(model.inputs)} input(s) and {len(model.outputs)} output(s): analyze ranks the "
-            "layers of one-input one-output models; convert and eval judge each output of this one"
+            f"{model_path} has {len(described.inputs)} input(s) and {len(described.outputs)} output(s): analyze ranks "
+            "the layers of one-input one-output models; convert and eval judge each output of this one"
         )
-    input_shape = tuple(model.input_shape[1:])
+    input_shape = described.input_shape
     # raw files in the units the model was trained in (run.json), as convert and eval read them
     # labels are optional: without them, a classifier is measured by agreement with FP32
-    dataset = load_dataset(
-        data, input_shape=input_shape, labels_required=False, normalization=recorded_normalization(model_path)
-    )
+    dataset = load_dataset(data, input_shape=input_shape, labels_required=False, normalization=described.normalization)
     dataset.check_fits(input_shape, where=f"model {model_path}")
-    return model, dataset
+    return as_tf_keras(model), dataset, described
 
 
 def analyze_sensitivity(
@@ -234,7 +233,7 @@ def analyze_sensitivity(
     ranges: str = "minmax",
     task_spec: str | None = None,
 ) -> SensitivityReport:
-    model, dataset = load_fp32_with_data(model_path, data, "analyze")
+    model, dataset, described = load_fp32_with_data(model_path, data, "analyze")
     start = time.perf_counter()
     cal = calibrate(model, dataset, samples, per_tensor, ranges)
     if not cal.nodes:
@@ -245,7 +244,7 @@ def analyze_sensitivity(
     exact: list = []
     fp32_acc = int8_acc = float("nan")
     t1 = time.perf_counter()
-    quality = quality_of(model, model_path, dataset, split, task_spec)
+    quality = quality_of(model, described, dataset, split, task_spec)
     if method in ("exact", "both"):
         fp32_acc, int8_acc, exact = exact_sensitivity(cal, x, quality, progress)
         # Output error with only this layer quantized: continuous, and it attributes a crushed

@@ -241,7 +241,7 @@ def rounding_errors(
 
     if Path(model_path).suffix == ".tflite":
         raise UsageError(f"{model_path}: rounding needs the float layers: give the Keras model, not the .tflite")
-    model, dataset = load_fp32_with_data(model_path, data, "analyze the rounding of")
+    model, dataset, _ = load_fp32_with_data(model_path, data, "analyze the rounding of")
     x = dataset.calibration_samples(samples, seed)
     layers = [la for la in model.layers if type(la).__name__ in ADAROUND_LAYERS]
     results = []

@@ -11,6 +11,7 @@ from edgeq.convert.options import FLOAT_DTYPES, ConvertOptions, Mode, ModeSpec
 from edgeq.data.sources import load_dataset
 from edgeq.data.splits import Dataset
 from edgeq.errors import ConversionError, IntegerOnlyError, UsageError
+from edgeq.models.spec import ModelSpec
 from edgeq.runtime.interpreter import TFLiteModel
 
 
@@ -34,23 +35,17 @@ def _input_rescaling_hint(keras_model, dataset, samples: int) -> str | None:
     return None
 
 
-def _calibration(source_path, model_input_shape, calib: str | None, n: int, is_qat: bool, notes: list):
+def _calibration(source: ModelSpec, calib: str | None, n: int, is_qat: bool, notes: list):
     """Calibration samples: --calib, else the data the model was trained on (run.json)."""
-    from edgeq.models.load import recorded_normalization, run_record_for
-
-    record = run_record_for(source_path) if source_path else None
-    spec = calib
-    if spec is None and record is not None:
-        spec = record.get("data", {}).get("source")
+    spec = calib or source.trained_on
     if spec is None:
         return None, None
     if not calib:
         notes.append(f"calibration/verification data taken from the training run: {spec}")
-    normalization = recorded_normalization(source_path)
     # raw files in the units the model was trained in; float files checked against them
-    shape = model_input_shape if isinstance(model_input_shape, dict) else tuple(model_input_shape)
-    dataset = load_dataset(spec, shape, labels_required=False, normalization=normalization)
-    dataset.check_fits(shape, where=f"model {source_path}")
+    shape = source.input_shape
+    dataset = load_dataset(spec, shape, labels_required=False, normalization=source.normalization)
+    dataset.check_fits(shape, where=f"model {source.name}")
     dataset.check_finite()
     return dataset, spec
 

@@ -19,18 +19,13 @@ from edgeq.runtime.inputs import Normalization, manifest_beside
 def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes, run) -> dict:
     """What the model's manifest records: the contract a device reads, how it was made, what was verified.
 
-    ``run``: the conversion's own facts (``source_path``, ``is_qat``, ``ptq``, ``seconds``, ``model``).
+    ``run``: the conversion's own facts (``source``, its ModelSpec; ``is_qat``, ``ptq``, ``seconds``, ``model``).
     """
-    source_path, is_qat, ptq_record, seconds = run["source_path"], run["is_qat"], run["ptq"], run["seconds"]
+    source_path, is_qat, ptq_record, seconds = run["source"].path, run["is_qat"], run["ptq"], run["seconds"]
     keras_model, plan, granularity = run["model"], options.plan, options.granularity
     equalize, io_type, calib_samples = options.equalize, options.io_type, options.calib_samples
     op_counts = dict(Counter(op.op_name for op in tflite.ops()))
-    if dataset is not None:
-        normalization = dataset.normalization
-    else:
-        from edgeq.models.load import recorded_normalization
-
-        normalization = recorded_normalization(source_path) or Normalization()
+    normalization = dataset.normalization if dataset is not None else run["source"].normalization or Normalization()
     manifest = {
         "kind": "edgeq.convert",
         "model": out.name,

@@ -7,10 +7,11 @@ from pathlib import Path
 
 from edgeq.convert.options import INT4_GRANULARITIES, ConvertOptions, Mode, ModeSpec
 from edgeq.errors import UsageError
+from edgeq.models.spec import ModelSpec
 from edgeq.runtime.flatbuffer import verify_tflite
 
 
-def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str]):
+def _sixteen_bit_qat(keras_model, source: ModelSpec, spec: ModeSpec, notes: list[str]):
     """A QAT model that simulates 16-bit activations converts only to 16x8, and only by PTQ.
 
     TF 2.21's converter quantizes no QAT graph to 16x8 ("not yet supported for op:
@@ -22,7 +23,7 @@ def _sixteen_bit_qat(keras_model, source_path, spec: ModeSpec, notes: list[str])
 
     if 16 not in activation_bits_of(keras_model):
         return keras_model, True
-    where = source_path or keras_model.name
+    where, source_path = source.name, source.path
     if spec.mode != Mode.INT16X8:
         raise UsageError(f"{where} simulates 16-bit activations: convert it with --int16x8")
     fine_tuned = Path(source_path).parent / QAT_FLOAT_NAME if source_path else None

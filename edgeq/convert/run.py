@@ -21,6 +21,7 @@ from edgeq.convert.plans import (
 from edgeq.convert.search import _check_held_out, _convert_searching_ranges
 from edgeq.convert.verify import _held_targets, _verify
 from edgeq.errors import ConversionError, DataError, UsageError
+from edgeq.models.spec import ModelSpec
 from edgeq.runtime.inputs import manifest_beside
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.tasks.table import TASKS
@@ -34,43 +35,28 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     Returns the written model's description; raises ConversionError (IntegerOnlyError
     for float ops in an integer-only model) and leaves nothing on disk when it fails.
     """
-    from edgeq.models.load import as_tf_keras, concatenated_outputs, output_specs, with_input_shape
-    from edgeq.train.schemes import is_qat_model
+    from edgeq.models.load import concatenated_outputs, task_targets
 
     options = options or ConvertOptions()
-    spec = options.spec
-    calib, calib_samples = options.calib, options.calib_samples
-    io_type, equalize, plan, bias_correct = options.io_type, options.equalize, options.plan, options.bias_correct
-    keras_model, source_path = _load_source(model)
-    source_name = str(source_path) if source_path else keras_model.name
-    is_qat = is_qat_model(keras_model)
-    if options.input_shape:
-        if is_qat:
-            raise UsageError(f"{source_name}: a QAT model keeps the shape it trained with: edgeq train --input-shape")
-        keras_model = with_input_shape(keras_model, options.input_shape, source_name)
-    reference_model = keras_model  # verification compares with this, whatever --equalize/--bias-correct change
+    spec, calib_samples, plan = options.spec, options.calib_samples, options.plan
     notes: list[str] = []
-    if is_qat:
-        keras_model, is_qat = _sixteen_bit_qat(keras_model, source_path, spec, notes)
-    shapes, single_io = _checked_source(keras_model, source_name, is_qat, options)
-    if equalize or plan or bias_correct:  # graph transforms work on tf_keras: a Keras 3 model is translated
-        keras_model = as_tf_keras(keras_model)
-    input_shape = next(iter(shapes.values())) if len(shapes) == 1 else shapes
-    out = Path(out) if out else default_output(source_path or Path(f"{keras_model.name}.keras"), spec.mode)
+    keras_model, reference_model, source, is_qat = _source(model, options, notes)
+    out = Path(out) if out else default_output(source.path or Path(f"{keras_model.name}.keras"), spec.mode)
     if out.suffix != ".tflite":
         raise UsageError(f"{out}: the output must end in .tflite")
-
     if plan:
         _check_wide_plan(keras_model, plan, options)
-    dataset, data_spec = _calibration(source_path, input_shape, calib, calib_samples, is_qat, notes)
-    hint = _input_rescaling_hint(keras_model, dataset, calib_samples) if dataset is not None and single_io else None
+    dataset, data_spec = _calibration(source, options.calib, calib_samples, is_qat, notes)
+    hint = (
+        _input_rescaling_hint(keras_model, dataset, calib_samples) if dataset is not None and source.single_io else None
+    )
     if hint:
         notes.append(hint)
     keras_model = _pretransformed(keras_model, dataset, options, notes)
-    _check_data(spec, dataset, data_spec, is_qat, source_name)
+    _check_data(spec, dataset, data_spec, is_qat, source.name)
 
     searching = spec.calibrate and spec.mode != Mode.INT16X8 and not is_qat and options.ptq != "converter"
-    outputs = output_specs(reference_model, options.task, source_path, dataset)
+    outputs = source.tasks(options.task, task_targets(dataset, source.output_names))
     if dataset is not None:
         for warning in concatenated_outputs(reference_model, dataset.calibration_samples(min(calib_samples, 64))):
             log.warning("%s", warning)
@@ -82,7 +68,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     if held is not None:
         _check_held_out(held, dataset, searching and not plan, options.ptq)
     started = time.perf_counter()
-    route = {"searching": searching, "is_qat": is_qat, "source_name": source_name}
+    route = {"searching": searching, "is_qat": is_qat, "source_name": source.name}
     # a model whose every output is classes: --ptq candidates are chosen by their answers (top-1 agreement)
     route["by_answers"] = all(TASKS[o.kind].classes for o in outputs)
     flatbuffer, ptq_record = _quantize(keras_model, reference_model, spec, dataset, options, held, route, notes)
@@ -93,18 +79,44 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     tflite = TFLiteModel(model_content=flatbuffer)
     try:
         verification = _verify(
-            tflite, reference_model, spec, held, data_spec, io_type, source_name, options.min_sqnr_db, outputs,
+            tflite, reference_model, spec, held, data_spec, options.io_type, source, options.min_sqnr_db, outputs,
             _held_targets(dataset, held, outputs), options.max_drop,
         )  # fmt: skip
     except ConversionError as exc:
         if hint:  # the likeliest cause of a failed verification, said in the same line
             raise ConversionError(f"{exc}. Note: {hint}") from exc
         raise
-    manifest = _manifest(
-        out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes,
-        {"source_path": source_path, "is_qat": is_qat, "ptq": ptq_record, "seconds": seconds, "model": keras_model},
-    )  # fmt: skip
+    run = {"source": source, "is_qat": is_qat, "ptq": ptq_record, "seconds": seconds, "model": keras_model}
+    manifest = _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes, run)
     _commit(out, flatbuffer, manifest, notes, options.edgetpu)
+    return _result(out, flatbuffer, manifest, spec, seconds, verification, is_qat, notes)
+
+
+def _source(model: Any, options: ConvertOptions, notes: list[str]):
+    """The model to convert, the model to verify against, its ModelSpec and whether it is QAT.
+
+    ``--input-shape`` fixes free dimensions; a 16-bit QAT model gives its fine-tuned float twin;
+    a Keras 3 model that a graph transform needs is translated to tf_keras."""
+    from edgeq.models.load import as_tf_keras, describe, with_input_shape
+
+    keras_model, source_path = _load_source(model)
+    source = describe(keras_model, source_path)
+    if options.input_shape:
+        if source.is_qat:
+            raise UsageError(f"{source.name}: a QAT model keeps the shape it trained with: edgeq train --input-shape")
+        keras_model = with_input_shape(keras_model, options.input_shape, source.name)
+        source = describe(keras_model, source_path)
+    reference_model = keras_model  # verification compares with this, whatever --equalize/--bias-correct change
+    is_qat = source.is_qat
+    if is_qat:
+        keras_model, is_qat = _sixteen_bit_qat(keras_model, source, options.spec, notes)
+    _check_source(source, is_qat, options)
+    if options.equalize or options.plan or options.bias_correct:  # graph transforms work on tf_keras
+        keras_model = as_tf_keras(keras_model)
+    return keras_model, reference_model, source, is_qat
+
+
+def _result(out: Path, flatbuffer: bytes, manifest: dict, spec: ModeSpec, seconds: float, verification, is_qat, notes):
     return ConversionResult(
         path=out,
         manifest=manifest_beside(out),
@@ -123,36 +135,31 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     )
 
 
-def _checked_source(keras_model, source_name: str, is_qat: bool, options: ConvertOptions) -> tuple[dict, bool]:
-    """The model's input shapes and whether it has one input and one output; refuses what
-    these options cannot do with this model (a QAT model's bits, free input dimensions...)."""
-    from edgeq.models.load import input_shapes
-
+def _check_source(source: ModelSpec, is_qat: bool, options: ConvertOptions) -> None:
+    """Refuses what these options cannot do with this model (a QAT model's bits, free input dimensions...)."""
     transforms = options.equalize or options.plan or options.bias_correct
     if options.weight_bits != 8 and is_qat:
-        raise UsageError(f"{source_name} is a QAT model: its weight bits are the ones it trained with (--weight-bits)")
+        raise UsageError(f"{source.name} is a QAT model: its weight bits are the ones it trained with (--weight-bits)")
     if transforms and is_qat:
         raise UsageError(
-            f"{source_name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
+            f"{source.name}: --equalize, --bias-correct and --plan are post-training tools; give the FP32 model"
         )
-    shapes = input_shapes(keras_model)
+    shapes = source.input_shapes
     free = {name: shape for name, shape in shapes.items() if any(d is None for d in shape)}
     if free:
         name, shape = next(iter(free.items()))
         example = "x".join(str(d if d is not None else 224) for d in shape)
         example = example if len(shapes) == 1 else f"{name}={example}"
         raise ConversionError(
-            f"{source_name}: input {name!r} has shape {tuple(shape)}, with free dimensions (a fully convolutional "
+            f"{source.name}: input {name!r} has shape {tuple(shape)}, with free dimensions (a fully convolutional "
             f"model): fix them for your camera with --input-shape {example}"
         )
-    single_io = len(shapes) == 1 and len(keras_model.outputs) == 1
-    if transforms and not single_io:
+    if transforms and not source.single_io:
         raise UsageError(
-            f"{source_name} has {len(shapes)} input(s) and {len(keras_model.outputs)} output(s): --equalize, "
+            f"{source.name} has {len(source.inputs)} input(s) and {len(source.outputs)} output(s): --equalize, "
             "--bias-correct and --plan take one-input one-output models; convert it without them "
             "(--ptq METHOD, --rounding and --weight-bits take any model)"
         )
-    return shapes, single_io
 
 
 def _check_data(spec: ModeSpec, dataset, data_spec, is_qat: bool, source_name: str) -> None:

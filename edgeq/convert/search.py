@@ -46,11 +46,8 @@ def _convert_searching_ranges(
     are disjoint from the ones verification then gates and records.
     Returns the flatbuffer and the manifest's record of every candidate (and a note).
     """
-    import contextlib
-
     from edgeq.models.load import keras_outputs
     from edgeq.quantize.calibration import ActivationRanges
-    from edgeq.quantize.passes import with_weight_codes
 
     methods = PTQ_AUTO if options.ptq == "auto" else (options.ptq,)
     target = options.ptq_target_db
@@ -60,21 +57,14 @@ def _convert_searching_ranges(
     if weights is not None:  # the converter rounds to nearest, at 8 bits, by min/max: only edgeq's candidates
         methods = tuple(m for m in methods if m != "converter")
     model = weights.model if weights is not None else keras_model
-    x_check, split = held.x_select, held.split
+    x_check = held.x_select
     reference = keras_outputs(reference_model, x_check)  # by output name
     ranges = ActivationRanges(dataset.calibration_samples(options.calib_samples))
     candidates, best, stopped_at = [], None, None
     for method in methods:
         start = time.perf_counter()
         try:
-            with contextlib.nullcontext() if method == "converter" else ranges.ranged(method):
-                flatbuffer, _ = _convert_tflite(model, spec, dataset, options, False)
-            if weights is not None:
-                flatbuffer, folded = with_weight_codes(flatbuffer, weights.kernels)
-                weights.record["converter_folded"] = folded
-            got = TFLiteModel(model_content=flatbuffer).predict_outputs(x_check)
-            # several outputs (a detector's heads): the worst one decides, as in verification
-            cmp = min((compare_outputs(reference[n], got[n]) for n in reference), key=lambda c: c.sqnr_db)
+            flatbuffer, cmp = _try_candidate(method, model, spec, dataset, options, ranges, weights, x_check, reference)
         except (UsageError, DataError):
             raise
         except Exception as exc:  # one candidate failing must not hide the others
@@ -94,6 +84,29 @@ def _convert_searching_ranges(
         raise ConversionError(
             f"every --ptq candidate failed: {'; '.join(c['method'] + ': ' + c['error'] for c in candidates)}"
         )
+    record = _search_record(options, best, by_answers, candidates, stopped_at, target, held, weights)
+    return best[2], record
+
+
+def _try_candidate(method: str, model, spec: ModeSpec, dataset, options: ConvertOptions, ranges, weights, x, reference):
+    """One --ptq candidate converted (with edgeq's weight codes, when chosen) and compared with FP32 on ``x``."""
+    import contextlib
+
+    from edgeq.quantize.passes import with_weight_codes
+
+    with contextlib.nullcontext() if method == "converter" else ranges.ranged(method):
+        flatbuffer, _ = _convert_tflite(model, spec, dataset, options, False)
+    if weights is not None:
+        flatbuffer, folded = with_weight_codes(flatbuffer, weights.kernels)
+        weights.record["converter_folded"] = folded
+    got = TFLiteModel(model_content=flatbuffer).predict_outputs(x)
+    # several outputs (a detector's heads): the worst one decides, as in verification
+    return flatbuffer, min((compare_outputs(reference[n], got[n]) for n in reference), key=lambda c: c.sqnr_db)
+
+
+def _search_record(options: ConvertOptions, best, by_answers, candidates, stopped_at, target, held, weights) -> dict:
+    """The manifest's record of a --ptq search: what was chosen, by what, on which samples, every candidate."""
+    x_check, split = held.x_select, held.split
     tried = ", ".join(_described(c) for c in candidates)
     by = f"top-1 agreement with FP32 ({best[1][0]:.1%}), then SQNR," if by_answers else "SQNR vs FP32"
     note = (
@@ -104,7 +117,7 @@ def _convert_searching_ranges(
     rounding = {"method": "nearest", "seed": None, "layers": []}
     if weights is not None:
         rounding, note = weights.record, note + _weights_note(weights.record)
-    record = {
+    return {
         "requested": options.ptq,
         "chosen": best[0],
         "target_db": target,
@@ -116,7 +129,6 @@ def _convert_searching_ranges(
         "candidates": candidates,
         "note": note,
     }
-    return best[2], record
 
 
 def _chosen_weights(keras_model, dataset, options: ConvertOptions):

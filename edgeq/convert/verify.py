@@ -97,67 +97,25 @@ def _task_verdict(output, reference, got, targets, x, budget: float | None = Non
 
 
 def _verify(
-    tflite, keras_model, spec, held, data_spec, io_type, source_name, min_sqnr_db, outputs, targets=None, max_drop=None
+    tflite, keras_model, spec, held, data_spec, io_type, source, min_sqnr_db, outputs, targets=None, max_drop=None
 ) -> Verification:
-    """The converted model against the source, output by output (matched by name, never position);
-    with labels, each output's task metric too (n, change, paired interval)."""
-    from edgeq.models.load import input_names, keras_outputs
-    from edgeq.tasks.table import compare
+    """The converted model against the source (its ModelSpec: ``source``), output by output (matched
+    by name, never position); with labels, each output's task metric too (n, change, paired interval)."""
+    from edgeq.models.load import keras_outputs
 
-    names = [o.name for o in outputs]
+    names, source_name = [o.name for o in outputs], source.name
     floats = _check_contract(tflite, spec, io_type, source_name, names)
-    classes = None
-    if held is not None:
-        x, classes = held.x, held.classes
-        source = f"{held.split} samples of {data_spec} (calibration uses train; LiteRT's default kernels, XNNPACK)"
-        if held.x_select is not None:
-            source += f"; the --ptq choice used {len(held.x_select)} others"
-        if classes is not None:
-            source += f"; {classes} of {held.classes_in_split} classes"
-    else:
-        rng = np.random.default_rng(0)
-        x = {
-            n: rng.uniform(0.0, 1.0, size=(32, *tflite.input_named(n).shape[1:])).astype(np.float32)
-            for n in input_names(keras_model)
-        }
-        x = next(iter(x.values())) if len(x) == 1 else x
-        source = "random uniform [0, 1) inputs (no data given)"
+    x, classes, data_text = _verification_inputs(tflite, held, data_spec, source)
     reference = keras_outputs(keras_model, x)
     got = tflite.predict_outputs(x, batch_size=1)
     thresholds = _min_sqnr(spec, min_sqnr_db, names)
     per_output, failed = [], []
     for o in outputs:
-        ref = np.asarray(reference[o.name])
-        if got[o.name].shape != ref.shape:
-            raise ConversionError(
-                f"{source_name}: TFLite output {o.name!r} has shape {got[o.name].shape}, Keras {ref.shape}"
-            )
-        if not np.all(np.isfinite(got[o.name])):
-            raise ConversionError(f"{source_name}: the converted model's output {o.name!r} holds NaN/inf")
-        cmp = compare(o, ref, got[o.name])
-        verdict = _task_verdict(o, ref, got[o.name], (targets or {}).get(o.name), x, max_drop)
-        # with --max-drop an output with a task metric is judged by it; the rest (and without it, all) by SQNR
-        by_task = verdict is not None and verdict["passed"] is not None
-        ok = verdict["passed"] if by_task else cmp.sqnr_db >= thresholds[o.name]
-        per_output.append(
-            {
-                "name": o.name,
-                "task": o.kind,
-                "sqnr_db": cmp.sqnr_db,
-                "min_sqnr_db": thresholds[o.name],
-                "agreement": cmp.agreement if np.isfinite(cmp.agreement) else None,
-                "max_abs_error": cmp.max_abs_error,
-                "mean_abs_error": cmp.mae,
-                "cosine": cmp.cosine,
-                "passed": bool(ok),
-                "judged_by": verdict["metric"] if by_task else "sqnr_db",
-                "verdict": verdict,
-            }
-        )
-        if not ok and by_task:
-            failed.append(Verdict.from_dict(verdict).line())
-        elif not ok:
-            failed.append(f"{o.name} {cmp.sqnr_db:.1f} dB < {thresholds[o.name]:.1f}")
+        row, failure = _output_row(o, np.asarray(reference[o.name]), got[o.name], thresholds[o.name], targets, x,
+                                   max_drop, source_name)  # fmt: skip
+        per_output.append(row)
+        if failure:
+            failed.append(failure)
     if max_drop is not None and not any(p["judged_by"] != "sqnr_db" for p in per_output):
         raise NothingJudged(
             f"--max-drop {max_drop:g}: no output of {source_name} has a task metric its held-out samples score "
@@ -168,7 +126,7 @@ def _verify(
     agreements = [p["agreement"] for p in per_output if p["agreement"] is not None]
     verification = Verification(
         samples=_count(x),
-        data=source,
+        data=data_text,
         agreement=agreements[0] if agreements else None,
         max_abs_error=max(p["max_abs_error"] for p in per_output),
         mean_abs_error=first["mean_abs_error"],
@@ -183,6 +141,55 @@ def _verify(
     if failed:
         raise ConversionError(_verification_failure(source_name, failed, verification, per_output, max_drop))
     return verification
+
+
+def _verification_inputs(tflite, held, data_spec, source):
+    """The samples verification runs both models on, how many classes they hold, and what they are."""
+    if held is not None:
+        text = f"{held.split} samples of {data_spec} (calibration uses train; LiteRT's default kernels, XNNPACK)"
+        if held.x_select is not None:
+            text += f"; the --ptq choice used {len(held.x_select)} others"
+        if held.classes is not None:
+            text += f"; {held.classes} of {held.classes_in_split} classes"
+        return held.x, held.classes, text
+    rng = np.random.default_rng(0)
+    x = {
+        n: rng.uniform(0.0, 1.0, size=(32, *tflite.input_named(n).shape[1:])).astype(np.float32)
+        for n in source.input_names
+    }
+    x = next(iter(x.values())) if len(x) == 1 else x
+    return x, None, "random uniform [0, 1) inputs (no data given)"
+
+
+def _output_row(o, ref, got, threshold: float, targets, x, max_drop, source_name: str) -> tuple[dict, str | None]:
+    """One output's verification row, and the failure it adds to the one-line error (None: passed)."""
+    from edgeq.tasks.table import compare
+
+    if got.shape != ref.shape:
+        raise ConversionError(f"{source_name}: TFLite output {o.name!r} has shape {got.shape}, Keras {ref.shape}")
+    if not np.all(np.isfinite(got)):
+        raise ConversionError(f"{source_name}: the converted model's output {o.name!r} holds NaN/inf")
+    cmp = compare(o, ref, got)
+    verdict = _task_verdict(o, ref, got, (targets or {}).get(o.name), x, max_drop)
+    # with --max-drop an output with a task metric is judged by it; the rest (and without it, all) by SQNR
+    by_task = verdict is not None and verdict["passed"] is not None
+    ok = verdict["passed"] if by_task else cmp.sqnr_db >= threshold
+    row = {
+        "name": o.name,
+        "task": o.kind,
+        "sqnr_db": cmp.sqnr_db,
+        "min_sqnr_db": threshold,
+        "agreement": cmp.agreement if np.isfinite(cmp.agreement) else None,
+        "max_abs_error": cmp.max_abs_error,
+        "mean_abs_error": cmp.mae,
+        "cosine": cmp.cosine,
+        "passed": bool(ok),
+        "judged_by": verdict["metric"] if by_task else "sqnr_db",
+        "verdict": verdict,
+    }
+    if ok:
+        return row, None
+    return row, Verdict.from_dict(verdict).line() if by_task else f"{o.name} {cmp.sqnr_db:.1f} dB < {threshold:.1f}"
 
 
 def _verification_failure(source_name, failed, verification, per_output, max_drop) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import DataError, ModelLoadError, QualityGateError
+from edgeq.models.spec import ModelSpec, describe_tflite
 from edgeq.tasks.metrics import metric
 from edgeq.tasks.table import OutputSpec, compare, score, task, worse_by
 from edgeq.tasks.verdicts import NothingJudged, Verdict, judge, verdict_of
@@ -67,46 +68,29 @@ def _json_safe(value):
     return value
 
 
-def _reference_outputs(reference: Path, x) -> tuple[dict, int, dict]:
-    """Every output of the reference by name, the size of its FP32 TFLite form, and its activations."""
+def _reference_outputs(reference: Path, x) -> tuple[dict, int, ModelSpec]:
+    """Every output of the reference by name, the size of its FP32 TFLite form, and its ModelSpec."""
+    from edgeq.runtime.interpreter import TFLiteModel
+
     if reference.suffix == ".tflite":
-        from edgeq.runtime.interpreter import TFLiteModel
-
         ref = TFLiteModel(reference)
-        return ref.predict_outputs(x, batch_size=1), reference.stat().st_size, {}
-    from edgeq.models.load import keras_outputs, load_user_model, output_activations
-
-    model = load_user_model(reference)
+        return ref.predict_outputs(x, batch_size=1), reference.stat().st_size, describe_tflite(ref, reference)
+    from edgeq.models.load import describe, keras_outputs, load_user_model
     from edgeq.shims.tflite import keras_converter, native_output_silenced
 
+    model = load_user_model(reference)
     converter = keras_converter(model)
     with native_output_silenced():
         fp32_size = len(converter.convert())
-    return keras_outputs(model, x, batch_size=256), fp32_size, output_activations(model)
+    return keras_outputs(model, x, batch_size=256), fp32_size, describe(model, reference)
 
 
-def output_specs_of(
-    model_path: Path, names: list[str], shapes: dict, declared: str | None, activations: dict, dataset, reference=None
-):
-    """Each output's task: --task, else what the conversion manifest recorded, else the reference
-    Keras file's compile config, else inferred."""
-    from edgeq.runtime.inputs import outputs_beside
-    from edgeq.tasks.table import load_task_spec, specs_for
-
-    recorded = {o["name"]: o for o in outputs_beside(model_path)}
-    targets = {}
-    if dataset is not None and dataset.labelled:
-        for name in names:
-            targets[name] = dataset.targets("val" if dataset.count("val") else "test", name if len(names) > 1 else None)
-    input_shape = dataset.input_shape if dataset is not None and not isinstance(dataset.input_shape, dict) else None
-    compiled = None
-    if reference is not None and Path(reference).suffix != ".tflite":
-        from edgeq.models.load import compiled_tasks
-
-        compiled = compiled_tasks(reference, names)
-    return specs_for(
-        names, shapes, load_task_spec(declared, names), recorded, activations, targets, input_shape, compiled
-    )
+def _targets(dataset, names: list[str]) -> dict:
+    """Each output's targets on val (test without val): what an undeclared task is inferred from."""
+    if dataset is None or not dataset.labelled:
+        return {}
+    split = "val" if dataset.count("val") else "test"
+    return {name: dataset.targets(split, name if len(names) > 1 else None) for name in names}
 
 
 def evaluate(
@@ -129,34 +113,54 @@ def evaluate(
             raise ModelLoadError(f"{path}: no such model file")
     if model.suffix != ".tflite":
         raise ModelLoadError(f"{model}: edgeq eval compares a .tflite model; convert it first (edgeq convert)")
-    from edgeq.runtime.inputs import normalization_beside
     from edgeq.runtime.interpreter import TFLiteModel
 
     quantized = TFLiteModel(model)
-    shapes = {n: tuple(t.shape[1:]) for n, t in zip(quantized.input_names, quantized.inputs)}
-    input_shape = next(iter(shapes.values())) if len(shapes) == 1 else shapes
+    described = describe_tflite(quantized, model)
+    input_shape = described.input_shape
     inp = quantized.input
     # raw files in the model's units (its manifest), float files checked against them
     dataset = load_dataset(
         data,
         input_shape=input_shape,
         labels_required=False,
-        normalization=normalization_beside(model),
-        int8_input=(inp.scale, inp.zero_point) if inp.dtype == "int8" and len(shapes) == 1 else None,
+        normalization=described.normalization,
+        int8_input=(inp.scale, inp.zero_point) if inp.dtype == "int8" and len(described.inputs) == 1 else None,
     )
     dataset.check_fits(input_shape, where=f"model {model}")
     x, _ = dataset.split(split)
     got = quantized.predict_outputs(x, batch_size=1)
-    ref, ref_size, activations = _reference_outputs(reference, x)
-    names = [n for n in _model_order(model, quantized.output_names)]
+    ref, ref_size, reference_spec = _reference_outputs(reference, x)
+    names = described.output_names
     missing = [n for n in names if n not in ref]
     if missing:
         raise DataError(
             f"{reference} has no output named {', '.join(missing)} (its outputs: {', '.join(ref)}); "
             "give the model this .tflite was converted from"
         )
-    out_shapes = {n: tuple(quantized.output_named(n).shape[1:]) for n in names}
-    specs = output_specs_of(model, names, out_shapes, task_spec, activations, dataset, reference)
+    specs = described.judged_with(reference_spec).tasks(task_spec, _targets(dataset, names))
+    rows, primary, verdicts = _scored(specs, ref, got, dataset, split, x, max_drop_pp, model)
+    detection = _detection(specs, ref, got, dataset, split, model, max_drop_pp)
+    if detection is not None:  # a detector is judged by its mAP@0.5, both heads together
+        primary = {
+            "worse_by": detection["worse_by"],
+            "primary": "map50",
+            "metrics": {"map50": detection["map50"]},
+            "reference_metrics": {"map50": detection["reference_map50"]},
+        }
+    if max_drop_pp is not None and not verdicts and detection is None:
+        raise NothingJudged(
+            f"--max-drop {max_drop_pp:g}: nothing in {data} ({split}) scores {model.name}'s outputs "
+            f"({', '.join(f'{s.name}: {s.kind}' for s in specs)}), so there is nothing to judge; give labels "
+            "('y', or 'y_<output>' for each output) or declare the tasks with --task"
+        )
+    return _result(model, reference, f"{data} ({split})", x, rows, primary, verdicts, detection, ref_size,
+                     quantized.input.dtype, max_drop_pp, dataset.labelled)  # fmt: skip
+
+
+def _scored(specs, ref: dict, got: dict, dataset, split: str, x, max_drop_pp, model: Path):
+    """Each output's row (its task's metrics on both models, the comparison) and verdict; the first
+    row with a change is the primary one. Labels that score no output are refused in one line."""
     rows, primary, verdicts = [], None, []
     for spec in specs:
         row = _score_output(spec, ref[spec.name], got[spec.name], dataset, split, x, len(specs))
@@ -175,27 +179,19 @@ def evaluate(
             "score per class (or a declared task), so it has no accuracy; compare it by output error (SQNR, MAE) "
             "without labels, or declare what it is with --task"
         )
-    detection = _detection(specs, ref, got, dataset, split, model, max_drop_pp)
-    if detection is not None:  # a detector is judged by its mAP@0.5, both heads together
-        primary = {
-            "worse_by": detection["worse_by"],
-            "primary": "map50",
-            "metrics": {"map50": detection["map50"]},
-            "reference_metrics": {"map50": detection["reference_map50"]},
-        }
-    if max_drop_pp is not None and not verdicts and detection is None:
-        raise NothingJudged(
-            f"--max-drop {max_drop_pp:g}: nothing in {data} ({split}) scores {model.name}'s outputs "
-            f"({', '.join(f'{s.name}: {s.kind}' for s in specs)}), so there is nothing to judge; give labels "
-            "('y', or 'y_<output>' for each output) or declare the tasks with --task"
-        )
+    return rows, primary, verdicts
+
+
+def _result(model: Path, reference: Path, data: str, x, rows, primary, verdicts, detection, ref_size, dtype,
+            max_drop_pp, labelled: bool) -> EvalResult:  # fmt: skip
+    """The EvalResult: the primary row's metric in its unit, every output's comparison, the verdicts."""
     first = rows[0]["comparison"]
     agreements = [r["comparison"]["agreement"] for r in rows if r["comparison"]["agreement"] is not None]
     size = model.stat().st_size
     return EvalResult(
         model=str(model),
         reference=str(reference),
-        data=f"{data} ({split})",
+        data=data,
         samples=_count(x),
         value=_metric(primary, "metrics"),
         reference_value=_metric(primary, "reference_metrics"),
@@ -209,13 +205,13 @@ def evaluate(
         size_bytes=size,
         reference_size_bytes=ref_size,
         size_ratio=size / ref_size if ref_size else float("nan"),
-        model_dtype=quantized.input.dtype,
+        model_dtype=dtype,
         budget=max_drop_pp,
         # every judged output within the budget (and a detector's mAP); nothing judged was refused above
         passed=max_drop_pp is None
         or (all(v.passed for v in verdicts) and (detection is None or detection["verdict"]["passed"])),
         outputs=tuple(rows),
-        labelled=dataset.labelled,
+        labelled=labelled,
         detection=detection,
         verdicts=tuple(v.to_dict() for v in verdicts) + ((detection["verdict"],) if detection else ()),
         metric=primary["primary"] if primary else None,
@@ -279,14 +275,6 @@ def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path, bu
         "worse_by": verdict.worse_by,
         "verdict": verdict.to_dict(),
     }
-
-
-def _model_order(model: Path, names: list[str]) -> list[str]:
-    """The outputs in the order the manifest lists them (the Keras model's), else the .tflite's."""
-    from edgeq.runtime.inputs import outputs_beside
-
-    listed = [o["name"] for o in outputs_beside(model)]
-    return listed if sorted(listed) == sorted(names) else names
 
 
 def _score_output(spec: OutputSpec, ref: np.ndarray, got: np.ndarray, dataset, split, x, outputs: int) -> dict:

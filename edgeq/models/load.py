@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 
 from edgeq.errors import ModelLoadError
 from edgeq.models.compat import keras
 from edgeq.models.keras3 import is_keras3_model, keras_flavour_of_file
 from edgeq.models.names import input_names, output_names, producer_of
+from edgeq.models.spec import KERAS3, TF_KERAS, ModelSpec, TensorSpec
 from edgeq.models.translate import to_tf_keras
 from edgeq.quantize.configs import quantize_scope
 
@@ -116,46 +118,88 @@ def recorded_normalization(model_path: str | Path | None):
     Every command that reads data for a model it did not train (convert, analyze) reads raw
     files in these units, as eval and profile do from a conversion's manifest.
     """
+    return _normalization(run_record_for(model_path) or {}) if model_path else None
+
+
+# ----------------------------------------------------------------- a Keras model, described once
+
+
+def is_qat_model(model) -> bool:
+    """Whether TF-MOT wrapped the model for quantization-aware training."""
+    return any(
+        type(layer).__name__ == "QuantizeLayer" or any(c.__name__ == "QuantizeWrapper" for c in type(layer).__mro__)
+        for layer in model.layers
+    )
+
+
+def _output_activation(model, name: str, tensor) -> str | None:
+    """The final activation of one output ("softmax", "sigmoid", "linear", ...; None when unknown)."""
+    layer = producer_of(tensor)
+    if layer is None:
+        try:
+            layer = model.get_layer(name)
+        except (ValueError, KeyError):
+            layer = None
+    layer = getattr(layer, "layer", layer)  # TF-MOT's QuantizeWrapper
+    if layer is not None and type(layer).__name__ == "Softmax":
+        return "softmax"
+    activation = getattr(layer, "activation", None)
+    activation = getattr(activation, "activation", activation)  # TF-MOT's QuantizeAwareActivation
+    return getattr(activation, "__name__", None) if activation is not None else None
+
+
+def _dims(tensor) -> tuple[int | None, ...]:
+    return tuple(None if d is None else int(d) for d in tensor.shape[1:])
+
+
+def _dtype(tensor) -> str:
+    dtype = getattr(tensor, "dtype", "float32")
+    return str(getattr(dtype, "name", dtype))
+
+
+def describe(model, path: str | Path | None = None) -> ModelSpec:
+    """The ``ModelSpec`` of a Keras model (either Keras), with what its file and training run say.
+
+    ``path`` is the file it was loaded from: its run.json (normalisation, each output's task) and
+    its compile config (each output's loss) are read once, here.
+    """
+    ins, outs = input_names(model), output_names(model)
+    record = (run_record_for(path) or {}) if path else {}
+    recorded = {o["name"]: o for o in record.get("outputs", []) if isinstance(o, dict) and "name" in o}
+    static = model.inputs[0].shape[0] if model.inputs else None
+    compile_config = compile_config_of(path) or {}
+    return ModelSpec(
+        name=str(path) if path else model.name,
+        format=KERAS3 if is_keras3_model(model) else TF_KERAS,
+        inputs=tuple(TensorSpec(n, _dims(t), _dtype(t)) for n, t in zip(ins, model.inputs)),
+        outputs=tuple(
+            TensorSpec(n, _dims(t), _dtype(t), _output_activation(model, n, t)) for n, t in zip(outs, model.outputs)
+        ),
+        path=Path(path) if path else None,
+        is_qat=is_qat_model(model),
+        batch=int(static) if static else None,
+        normalization=_normalization(record),
+        trained_on=(record.get("data") or {}).get("source"),
+        recorded=recorded,
+        compiled=compiled_tasks(compile_config, outs),
+        compile_config=compile_config,
+    )
+
+
+def _normalization(record: dict):
     from edgeq.runtime.inputs import Normalization
 
-    recorded = (run_record_for(model_path) or {}).get("normalization") if model_path else None
+    recorded = record.get("normalization")
     return Normalization.from_dict(recorded) if isinstance(recorded, dict) else None
 
 
-# ----------------------------------------------------------------- inputs and outputs by name
-
-
-def input_shapes(model) -> dict[str, tuple]:
-    """{input name: shape without the batch axis}."""
-    return {n: tuple(t.shape[1:]) for n, t in zip(input_names(model), model.inputs)}
-
-
-def output_shapes(model) -> dict[str, tuple]:
-    return {
-        n: tuple(int(d) if d is not None else -1 for d in t.shape[1:])
-        for n, t in zip(output_names(model), model.outputs)
-    }
-
-
-def output_activations(model) -> dict[str, str | None]:
-    """The final activation of each output ("softmax", "sigmoid", "linear", ...; None when unknown)."""
-    found = {}
-    for name, tensor in zip(output_names(model), model.outputs):
-        layer = producer_of(tensor)
-        if layer is None:
-            try:
-                layer = model.get_layer(name)
-            except (ValueError, KeyError):
-                layer = None
-        layer = getattr(layer, "layer", layer)  # TF-MOT's QuantizeWrapper
-        kind = type(layer).__name__ if layer is not None else ""
-        if kind == "Softmax":
-            found[name] = "softmax"
-            continue
-        activation = getattr(layer, "activation", None)
-        activation = getattr(activation, "activation", activation)  # TF-MOT's QuantizeAwareActivation
-        found[name] = getattr(activation, "__name__", None) if activation is not None else None
-    return found
+def task_targets(dataset, names: list[str]) -> dict:
+    """Each output's targets on the data's val split (its train split when it has no val): what
+    an output's task is inferred from when nothing declares it."""
+    if dataset is None or not getattr(dataset, "labelled", True):
+        return {}
+    split = "val" if dataset.count("val") else "train"
+    return {name: dataset.targets(split, name if len(names) > 1 else None) for name in names}
 
 
 def model_feed(model, x):
@@ -239,7 +283,7 @@ def with_input_shape(model, spec: str | None, where: str = "model"):
     shapes = parse_input_shape(spec, input_names(model))
     if not shapes:
         return model
-    current = input_shapes(model)
+    current = describe(model).input_shapes
     for name, shape in shapes.items():
         have = current[name]
         if len(have) != len(shape) or any(h is not None and int(h) != s for h, s in zip(have, shape)):
@@ -332,30 +376,35 @@ def _loss_task(loss) -> tuple[str, bool] | None:
     return None if family is None else (family, bool(config.get("from_logits", False)))
 
 
-def compiled_tasks(path, names: list[str]) -> dict[str, tuple[str, bool]]:
-    """What the model file's own compile config says of each output: (family, from_logits).
-
-    Read from the file (``config.json``'s ``compile_config`` in a Keras 3 zip, ``training_config``
-    of an .h5), never by compiling; {} where the file was saved without one.
-    """
-    import json
-    import zipfile
-
+def compile_config_of(path: str | Path | None) -> dict | None:
+    """The compile config a model file records (.keras: config.json; .h5: training_config), or None."""
+    if path is None:
+        return None
     path = Path(path)
     try:
         if path.suffix == ".keras" and zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as z:
-                config = json.loads(z.read("config.json")).get("compile_config") or {}
-        elif path.suffix in (".h5", ".hdf5"):
+            with zipfile.ZipFile(path) as zf:
+                config = json.loads(zf.read("config.json"))
+            return config.get("compile_config") or None
+        if path.suffix in (".h5", ".hdf5"):
             import h5py
 
             with h5py.File(path, "r") as f:
                 raw = f.attrs.get("training_config")
-            config = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw is not None else {}
-        else:
-            return {}
+            if raw is None:
+                return None
+            return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     except (OSError, KeyError, ValueError):
-        return {}
+        return None
+    return None
+
+
+def compiled_tasks(config: dict | None, names: list[str]) -> dict[str, tuple[str, bool]]:
+    """What a model file's compile config (``compile_config_of``) says of each output: (family, from_logits).
+
+    Read from the file, never by compiling; {} where the file was saved without one.
+    """
+    config = config or {}
     loss = config.get("loss")
     if isinstance(loss, dict) and "class_name" not in loss:
         per_output = {str(k): v for k, v in loss.items()}
@@ -365,32 +414,3 @@ def compiled_tasks(path, names: list[str]) -> dict[str, tuple[str, bool]]:
         per_output = {name: loss for name in names} if loss is not None else {}
     found = {name: _loss_task(v) for name, v in per_output.items() if name in names}
     return {name: got for name, got in found.items() if got is not None}
-
-
-def output_specs(model, declared: str | None = None, source_path=None, dataset=None) -> list:
-    """What each output of ``model`` is (edgeq.tasks.table.OutputSpec), in the model's order.
-
-    ``--task`` (declared) wins, then what the training run recorded (run.json ``outputs``),
-    then the output's activation and shape with the data's targets (val split).
-    """
-    from edgeq.tasks.table import load_task_spec, specs_for
-
-    names = output_names(model)
-    record = run_record_for(source_path) if source_path else None
-    recorded = {o["name"]: o for o in (record or {}).get("outputs", []) if isinstance(o, dict) and "name" in o}
-    targets = {}
-    if dataset is not None and getattr(dataset, "labelled", True):
-        split = "val" if dataset.count("val") else "train"
-        for name in names:
-            targets[name] = dataset.targets(split, name if len(names) > 1 else None)
-    shapes = input_shapes(model)
-    return specs_for(
-        names,
-        output_shapes(model),
-        load_task_spec(declared, names),
-        recorded,
-        output_activations(model),
-        targets,
-        next(iter(shapes.values())) if len(shapes) == 1 else None,
-        compiled_tasks(source_path, names) if source_path else None,
-    )

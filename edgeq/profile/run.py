@@ -17,6 +17,7 @@ import numpy as np
 from edgeq import __version__
 from edgeq.artifacts import atomic_path
 from edgeq.errors import DataError, MissingExtraError, ModelLoadError, UsageError
+from edgeq.models.spec import describe_tflite
 from edgeq.profile.host import (
     collect_environment,
     current_rss_mb,
@@ -46,11 +47,10 @@ from edgeq.runtime.flatbuffer import is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
     detection_beside,
     normalization_beside,
-    outputs_beside,
 )
 from edgeq.runtime.interpreter import TFLiteModel, quantize
 from edgeq.tasks.metrics import metric
-from edgeq.tasks.table import TASKS, OutputSpec, compare, score, specs_for
+from edgeq.tasks.table import TASKS, OutputSpec, compare, score
 
 log = logging.getLogger(__name__)
 
@@ -219,12 +219,9 @@ def predict_all(
 def output_specs(path: Path, model: TFLiteModel, data: DeviceSamples | None) -> list[OutputSpec]:
     """Each output's task: what the conversion manifest beside the model recorded, else inferred
     from the labels (no activation is known on the device)."""
-    recorded = {o["name"]: o for o in outputs_beside(path)}
-    names = model.output_names
-    order = [n for n in recorded if n in names] if sorted(recorded) == sorted(names) else names
-    shapes = {n: tuple(model.output_named(n).shape[1:]) for n in names}
-    targets = {n: data.targets(n, len(names)) for n in names} if data is not None else {}
-    return specs_for(order, shapes, None, recorded, None, targets, None)
+    described = describe_tflite(model, path)
+    names = described.output_names
+    return described.tasks(targets={n: data.targets(n, len(names)) for n in names} if data is not None else {})
 
 
 def _scores(outputs: dict[str, np.ndarray], data: DeviceSamples, specs: list[OutputSpec], where: str) -> Scores:
@@ -379,28 +376,16 @@ def profile_model(
         read_tflite(compare)  # a missing or broken reference fails now, not after the timing
     common = {"runs": runs, "warmup": warmup, "min_seconds": min_seconds, "runtime": runtime, "progress": progress}
 
-    dataset = None
-    if data is not None:
-        # The input spec comes from a quick load; a bad .npz fails before any timing.
-        probe = TFLiteModel(model_path, runtime=runtime, num_threads=1, delegate=delegate or "xnnpack")
-        infos = probe.input if len(probe.inputs) == 1 else dict(zip(probe.input_names, probe.inputs))
-        dataset = load_npz(data, infos, labels=labels, normalization=normalization_beside(model_path))
-        del probe
-    elif labels is not None:
+    if labels is not None and data is None:
         raise UsageError("--labels needs --data")
-
+    dataset = _samples(model_path, data, labels, runtime, delegate) if data is not None else None
     before = thermal_state()  # a throttling device's latency is not its latency: read it around the runs
     main, outputs, specs = _profile_one(model_path, threads, dataset, {**common, "delegate": delegate})
     reference = ref_outputs = agreement = None
     if compare is not None:
         compare = Path(compare)
         reference, ref_outputs, _ = _profile_one(compare, threads, dataset, {**common, "delegate": "xnnpack"})
-        ref_in = reference.model.inputs[0].shape[1:] if reference.model.inputs else ()
-        if main.model.inputs and tuple(ref_in) != tuple(main.model.inputs[0].shape[1:]):
-            raise UsageError(
-                f"--compare {compare} takes input {tuple(ref_in)}, "
-                f"{model_path} takes {tuple(main.model.inputs[0].shape[1:])}: they are not the same network"
-            )
+        _check_same_network(main, reference, model_path, compare)
     if outputs is not None and ref_outputs is not None:
         agreement = _agreement(specs, outputs, ref_outputs, compare)
 
@@ -427,6 +412,24 @@ def profile_model(
         data=dataset.info if dataset is not None else None,
         thermal=Thermal(before, after, throttled_between(before, after)),
     )
+
+
+def _samples(model_path: Path, data, labels, runtime, delegate) -> DeviceSamples:
+    """The --data samples, read for the model's inputs; the input spec comes from a quick load,
+    so a bad .npz fails before any timing."""
+    probe = TFLiteModel(model_path, runtime=runtime, num_threads=1, delegate=delegate or "xnnpack")
+    infos = probe.input if len(probe.inputs) == 1 else dict(zip(probe.input_names, probe.inputs))
+    return load_npz(data, infos, labels=labels, normalization=normalization_beside(model_path))
+
+
+def _check_same_network(main: ModelProfile, reference: ModelProfile, model_path: Path, compare: Path) -> None:
+    """--compare names the same network: the same input shape."""
+    ref_in = reference.model.inputs[0].shape[1:] if reference.model.inputs else ()
+    if main.model.inputs and tuple(ref_in) != tuple(main.model.inputs[0].shape[1:]):
+        raise UsageError(
+            f"--compare {compare} takes input {tuple(ref_in)}, "
+            f"{model_path} takes {tuple(main.model.inputs[0].shape[1:])}: they are not the same network"
+        )
 
 
 def _comparison(main, reference, agreement) -> list[Comparison]:

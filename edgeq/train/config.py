@@ -11,15 +11,8 @@ from edgeq.data.sources import load_dataset
 from edgeq.data.splits import normal_samples_for_training
 from edgeq.errors import DataError, UsageError
 from edgeq.models.compat import tf
-from edgeq.models.load import (
-    as_tf_keras,
-    input_shapes,
-    is_keras3_model,
-    is_model_path,
-    load_user_model,
-    output_specs,
-    with_input_shape,
-)
+from edgeq.models.load import as_tf_keras, describe, is_model_path, load_user_model, task_targets, with_input_shape
+from edgeq.models.spec import KERAS3
 from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
 from edgeq.train import distill, schemes
 from edgeq.train.objectives import check_targets, objectives, with_detection_targets
@@ -120,67 +113,22 @@ def _resolve(config: TrainConfig):
     objectives, and why QAT distils from the FP32 model (None: it learns the labels)."""
     from edgeq.models import zoo
 
-    recipe = None
-    if not is_model_path(config.model):
-        recipe = zoo.load_recipe(config.model)
+    recipe = None if is_model_path(config.model) else zoo.load_recipe(config.model)
     data_source = config.data or (recipe.data if recipe else None)
     if not data_source:
         raise UsageError(f"{config.model}: give --data (digits, synthetic:HxWxC:K, npz:PATH, images:DIR)")
     user_model = None  # the Keras 3 model the user gave, when they gave one
     if recipe is None:
-        model = load_user_model(config.model)
-        if config.input_shape:
-            model = with_input_shape(model, config.input_shape, config.model)
-        if is_keras3_model(model):
-            user_model, model = model, as_tf_keras(model)
-        if schemes.is_qat_model(model):
-            raise UsageError(f"{config.model} is already quantization-aware; give edgeq train the FP32 model")
-        shapes = input_shapes(model)
-        free = [n for n, shape in shapes.items() if any(d is None for d in shape)]
-        if free:
-            raise UsageError(
-                f"{config.model}: input {free[0]!r} has free dimensions {tuple(shapes[free[0]])} (a fully "
-                "convolutional model): fix them with --input-shape HxWxC"
-            )
-        input_shape = next(iter(shapes.values())) if len(shapes) == 1 else shapes
-        dataset = load_dataset(data_source, input_shape=input_shape, labels_required=False)
-        dataset.check_fits(input_shape, where=f"model {config.model}")
+        model, user_model, dataset = _user_model(config, data_source)
     else:
-        options = {**recipe.model, **config.model_options}
-        shape_hint = None
-        if recipe.architecture == "mobilenetv2" and "input_size" in options:
-            size = int(options.pop("input_size"))
-            shape_hint = (size, size, 3)
-        dataset = load_dataset(data_source, input_shape=shape_hint)
-        if shape_hint is not None:
-            dataset.check_fits(shape_hint, where=f"{config.model} with input_size {shape_hint[0]}")
-        try:
-            model = zoo.build(recipe.architecture, dataset.input_shape, dataset.num_classes, **options)
-        except TypeError as exc:
-            raise UsageError(f"{config.model}: bad model option ({exc})") from exc
-        except ValueError as exc:
-            raise DataError(
-                f"{config.model} cannot be built for data {data_source!r} of shape {dataset.input_shape}: "
-                f"{str(exc).splitlines()[0]}"
-            ) from exc
+        model, dataset = _recipe_model(config, recipe, data_source)
     dataset.check_finite()
+    described = describe(user_model or model, config.model if recipe is None else None)
     declared = config.task or (recipe.task if recipe else None)
     # a user's file also says what its outputs are in its compile config (a from_logits cross-entropy)
-    specs = output_specs(model, declared, config.model if recipe is None else None, dataset)
-    objs = objectives(model, specs, config.model if recipe is None else None, config.loss)
-    reason = "--distill" if config.distill else None
-    if not dataset.labelled and not any(o.spec.kind == "reconstruction" for o in objs):
-        if recipe is not None:
-            raise DataError(
-                f"data {data_source!r} has no labels, and {config.model} is a reference model that learns from "
-                "them; give a trained model (.keras/.h5/SavedModel) to quantize it by distillation"
-            )
-        if config.epochs:
-            raise UsageError(
-                f"data {data_source!r} has no labels, so there is no FP32 training: give --epochs 0 (QAT then "
-                "learns the model's own outputs)"
-            )
-        reason = distill.NO_LABELS
+    specs = described.tasks(declared, task_targets(dataset, described.output_names))
+    objs = objectives(described, specs, config.loss)
+    reason = _why_distil(config, recipe, dataset, data_source, objs)
     if reason is not None:
         distill.check_dataset(dataset, data_source)
     if any(o.spec.kind == "reconstruction" for o in objs):
@@ -188,10 +136,81 @@ def _resolve(config: TrainConfig):
     if reason != distill.NO_LABELS:
         dataset = with_detection_targets(objs, dataset)
         check_targets(objs, dataset)
-    hp = {
-        "epochs": config.epochs
-        if config.epochs is not None
-        else (0 if reason == distill.NO_LABELS else (recipe.epochs if recipe else 10)),
+    return model, dataset, _hyperparameters(config, recipe, reason), recipe, user_model, objs, reason
+
+
+def _user_model(config: TrainConfig, data_source: str):
+    """A model file the user gave (as tf_keras), the Keras 3 model itself when it is one, and its data."""
+    model = load_user_model(config.model)
+    if config.input_shape:
+        model = with_input_shape(model, config.input_shape, config.model)
+    described = describe(model, config.model)
+    if described.is_qat:
+        raise UsageError(f"{config.model} is already quantization-aware; give edgeq train the FP32 model")
+    user_model = None
+    if described.format == KERAS3:
+        user_model, model = model, as_tf_keras(model)
+    shapes = described.input_shapes
+    free = [n for n, shape in shapes.items() if any(d is None for d in shape)]
+    if free:
+        raise UsageError(
+            f"{config.model}: input {free[0]!r} has free dimensions {tuple(shapes[free[0]])} (a fully "
+            "convolutional model): fix them with --input-shape HxWxC"
+        )
+    dataset = load_dataset(data_source, input_shape=described.input_shape, labels_required=False)
+    dataset.check_fits(described.input_shape, where=f"model {config.model}")
+    return model, user_model, dataset
+
+
+def _recipe_model(config: TrainConfig, recipe, data_source: str):
+    """A reference model of the zoo, built for the data's shape and classes, and the data."""
+    from edgeq.models import zoo
+
+    options = {**recipe.model, **config.model_options}
+    shape_hint = None
+    if recipe.architecture == "mobilenetv2" and "input_size" in options:
+        size = int(options.pop("input_size"))
+        shape_hint = (size, size, 3)
+    dataset = load_dataset(data_source, input_shape=shape_hint)
+    if shape_hint is not None:
+        dataset.check_fits(shape_hint, where=f"{config.model} with input_size {shape_hint[0]}")
+    try:
+        model = zoo.build(recipe.architecture, dataset.input_shape, dataset.num_classes, **options)
+    except TypeError as exc:
+        raise UsageError(f"{config.model}: bad model option ({exc})") from exc
+    except ValueError as exc:
+        raise DataError(
+            f"{config.model} cannot be built for data {data_source!r} of shape {dataset.input_shape}: "
+            f"{str(exc).splitlines()[0]}"
+        ) from exc
+    return model, dataset
+
+
+def _why_distil(config: TrainConfig, recipe, dataset, data_source: str, objs) -> str | None:
+    """Why QAT learns from the FP32 model's outputs (--distill, or data without labels); None: from labels."""
+    if dataset.labelled or any(o.spec.kind == "reconstruction" for o in objs):
+        return "--distill" if config.distill else None
+    if recipe is not None:
+        raise DataError(
+            f"data {data_source!r} has no labels, and {config.model} is a reference model that learns from "
+            "them; give a trained model (.keras/.h5/SavedModel) to quantize it by distillation"
+        )
+    if config.epochs:
+        raise UsageError(
+            f"data {data_source!r} has no labels, so there is no FP32 training: give --epochs 0 (QAT then "
+            "learns the model's own outputs)"
+        )
+    return distill.NO_LABELS
+
+
+def _hyperparameters(config: TrainConfig, recipe, reason: str | None) -> dict:
+    """The effective hyper-parameters: the options given, else the recipe's, else edgeq's defaults."""
+    if config.epochs is not None:
+        epochs = config.epochs
+    else:
+        epochs = 0 if reason == distill.NO_LABELS else (recipe.epochs if recipe else 10)
+    return {
+        "epochs": epochs,
         "qat_epochs": config.qat_epochs if config.qat_epochs is not None else (recipe.qat_epochs if recipe else 3),
         "batch_size": config.batch_size or (recipe.batch_size if recipe else 32),
         "learning_rate": config.learning_rate or (recipe.learning_rate if recipe else 1e-3),
@@ -199,7 +218,6 @@ def _resolve(config: TrainConfig):
         "seed": config.seed,
         "op_determinism": True,
     }
-    return model, dataset, hp, recipe, user_model, objs, reason
 
 
 def _layer_plan(config: TrainConfig, layer_names: list[str]) -> dict[str, LayerPrecision]:

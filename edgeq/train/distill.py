@@ -10,6 +10,7 @@ stage of a stepped schedule learn the same targets.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -43,11 +44,9 @@ def loss_name(loss) -> str:
     return getattr(loss, "__name__", None) or type(loss).__name__
 
 
-def objectives(objs: list[Objective], model) -> list[Objective]:
-    """Each output's distillation objective (the task stays: convert and eval read it)."""
-    from edgeq.models.load import output_activations
-
-    activations = output_activations(model)
+def objectives(objs: list[Objective], activations: Mapping[str, str | None]) -> list[Objective]:
+    """Each output's distillation objective (the task stays: convert and eval read it); ``activations``:
+    the teacher's final activation per output (its ModelSpec's)."""
     return [
         Objective(o.spec, distill_loss(o.spec, activations.get(o.spec.name) in ("softmax", "sigmoid")), 1.0, "distill")
         for o in objs

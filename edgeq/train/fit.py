@@ -6,8 +6,9 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from edgeq.artifacts import provenance, sha256_file, write_json_atomic
 from edgeq.errors import TrainingInterrupted, UsageError
@@ -153,6 +154,40 @@ def _clear_run(out_dir: Path) -> None:
     shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
 
 
+@dataclass
+class _Job:
+    """What every stage of one training run reads: the run's settings, data and schedule."""
+
+    config: TrainConfig
+    dist: Any
+    run: Any
+    stages: list
+    dataset: Any
+    plan: Any
+    objs: list
+    hp: dict
+    augment: Any
+    settings: Any
+    quantizable: Any
+    distill_reason: str | None
+    fold_bn: bool
+    user_model: Any
+    bar: Any
+    state: dict | None
+
+
+@dataclass
+class _Carried:
+    """What the stage loop carries from one stage to the next."""
+
+    float_model: Any
+    folded: bool
+    teacher: tuple | None = None  # distillation: (dataset with the FP32 model's outputs as targets, objectives, plan)
+    qat_model: Any = None
+    initialized: dict[str, int] = field(default_factory=dict)  # stage -> activation ranges set from calibration
+    results: list[StageResult] = field(default_factory=list)
+
+
 def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool) -> TrainResult:
     out_dir = Path(config.out_dir)
     config, state = _resumed_state(config, dist, resume, force)
@@ -164,7 +199,6 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     tf.config.experimental.enable_op_determinism()
     model, dataset, hp, recipe, user_model, objs, distill_reason = _resolve(config)
     plan = None if distill_reason == distill.NO_LABELS else target_plan(objs, dataset)
-    teacher = None  # distillation: (the dataset with the FP32 model's outputs as targets, objectives, plan)
     if dist.chief:
         for warning in concatenated_outputs(model, dataset.calibration_samples(min(64, dataset.count("train")))):
             log.warning("%s", warning)
@@ -185,59 +219,19 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         # QAT-only schedule: the model as given is the FP32 reference. Saved now, because QAT
         # copies its fine-tuned weights back into this very model object.
         _save_fp32(run, model, user_model)
-    float_model = model
     fold_bn = config.fold_bn
     if fold_bn is None:  # per-tensor: the converter's own fold is wrong there; Dense/Conv1D + BN: TF-MOT has none
         fold_bn = config.granularity == "per-tensor" or bool(needs_fold_before_qat(model))
+    job = _Job(config, dist, run, stages, dataset, plan, objs, hp, augment, settings, quantizable, distill_reason,
+               fold_bn, user_model, bar, state)  # fmt: skip
     # A resumed run restarts from checkpoint/stageN_start.keras, folded already if it was.
-    folded = state is not None and not any(type(la).__name__ == "BatchNormalization" for la in model.layers)
-    qat_model = None
-    initialized: dict[str, int] = {}  # stage -> activation ranges set from calibration
-    results: list[StageResult] = []
+    carried = _Carried(
+        model, state is not None and not any(type(la).__name__ == "BatchNormalization" for la in model.layers)
+    )
     started = time.perf_counter()
     try:
         for index in range(start_stage, len(stages)):
-            stage = stages[index]
-            initial_epoch = start_epoch if index == start_stage else 0
-            if initial_epoch == 0:
-                run.save_stage_start(float_model, index)
-            if stage.kind == "qat" and distill_reason and teacher is None:
-                teacher = _teacher(float_model, out_dir, index == stages.index(_first_qat(stages)) and
-                                   initial_epoch == 0, dataset, objs, hp["batch_size"])  # fmt: skip
-            if stage.kind == "qat" and initial_epoch == 0:
-                fold = fold_bn and not folded
-                float_model = _float_model_for_qat(float_model, index, fold, run)
-                folded = folded or fold
-            if stage.kind == "fp32":
-                stage_model = float_model
-            else:
-                stage_model, set_here = _qat_stage_model(
-                    float_model, stage, initial_epoch, config, settings, quantizable, dataset, objs
-                )
-                if set_here:
-                    initialized[stage.name] = set_here
-            if dist.replicas > 1:
-                synchronize_batchnorm(stage_model)
-            if stage.kind == "fp32":
-                _compile(stage_model, hp["learning_rate"], objs=objs)
-            else:
-                stage_objs = teacher[1] if teacher else objs
-                _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value, stage_objs)
-            if initial_epoch > 0:
-                restore_checkpoint(stage_model, out_dir / "checkpoint", state)
-            result = _fit_and_judge(
-                stage_model, stage, index, initial_epoch, (dataset, plan, teacher), objs, config, hp, augment, run, bar
-            )
-            results.append(result)
-            run.history[index]["final"] = {
-                "val_value": result.val_value, "test_value": result.test_value, "metric": result.metric
-            }  # fmt: skip
-            log.info("stage %s: val %s %.4f test %.4f", stage.name, result.metric, result.val_value, result.test_value)
-            if stage.kind == "fp32":
-                _save_fp32(run, float_model, user_model)
-            else:
-                schemes.copy_float_weights(stage_model, float_model)
-                qat_model = stage_model
+            _run_stage(job, carried, index, start_epoch if index == start_stage else 0)
     except KeyboardInterrupt as exc:
         raise TrainingInterrupted(
             f"training interrupted; completed epochs are saved in {out_dir}/checkpoint: "
@@ -246,11 +240,64 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
     finally:
         if bar is not None:
             bar.close()
+    resumed = (start_stage, start_epoch) if state is not None else None
+    return _finish(job, carried, recipe, resumed, started)
 
+
+def _run_stage(job: _Job, carried: _Carried, index: int, initial_epoch: int) -> None:
+    """One stage of the schedule: its model (QAT-wrapped for a QAT stage), compiled, fitted, judged, saved."""
+    config, run, stages, objs, hp = job.config, job.run, job.stages, job.objs, job.hp
+    stage = stages[index]
+    if initial_epoch == 0:
+        run.save_stage_start(carried.float_model, index)
+    if stage.kind == "qat" and job.distill_reason and carried.teacher is None:
+        first = index == stages.index(_first_qat(stages)) and initial_epoch == 0
+        carried.teacher = _teacher(carried.float_model, run.out_dir, first, job.dataset, objs, hp["batch_size"])
+    if stage.kind == "qat" and initial_epoch == 0:
+        fold = job.fold_bn and not carried.folded
+        carried.float_model = _float_model_for_qat(carried.float_model, index, fold, run)
+        carried.folded = carried.folded or fold
+    if stage.kind == "fp32":
+        stage_model = carried.float_model
+    else:
+        stage_model, set_here = _qat_stage_model(
+            carried.float_model, stage, initial_epoch, config, job.settings, job.quantizable, job.dataset, objs
+        )
+        if set_here:
+            carried.initialized[stage.name] = set_here
+    if job.dist.replicas > 1:
+        synchronize_batchnorm(stage_model)
+    if stage.kind == "fp32":
+        _compile(stage_model, hp["learning_rate"], objs=objs)
+    else:
+        stage_objs = carried.teacher[1] if carried.teacher else objs
+        _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value, stage_objs)
+    if initial_epoch > 0:
+        restore_checkpoint(stage_model, run.out_dir / "checkpoint", job.state)
+    data = (job.dataset, job.plan, carried.teacher)
+    result = _fit_and_judge(stage_model, stage, index, initial_epoch, data, objs, config, hp, job.augment, run, job.bar)
+    carried.results.append(result)
+    run.history[index]["final"] = {
+        "val_value": result.val_value,
+        "test_value": result.test_value,
+        "metric": result.metric,
+    }
+    log.info("stage %s: val %s %.4f test %.4f", stage.name, result.metric, result.val_value, result.test_value)
+    if stage.kind == "fp32":
+        _save_fp32(run, carried.float_model, job.user_model)
+    else:
+        schemes.copy_float_weights(stage_model, carried.float_model)
+        carried.qat_model = stage_model
+
+
+def _finish(job: _Job, carried: _Carried, recipe, resumed, started: float) -> TrainResult:
+    """The trained models saved, the history and run record written (by the chief), the checkpoints gone."""
+    run, dist, config = job.run, job.dist, job.config
+    out_dir, qat_model, results = run.out_dir, carried.qat_model, carried.results
     qat_path = None
     if qat_model is not None:
         qat_path = run.save_model(qat_model, QAT_NAME)
-        run.save_model(float_model, QAT_FLOAT_NAME)
+        run.save_model(carried.float_model, QAT_FLOAT_NAME)
     ranges = quantizer_ranges(qat_model) if qat_model is not None else None
     if not dist.chief:
         run.finish()
@@ -259,10 +306,10 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         )
     write_json_atomic(out_dir / "history.json", {"stages": run.history})
     facts = dict(
-        recipe=recipe, hp=hp, settings=settings, fold_bn=fold_bn, qat_model=qat_model, initialized=initialized,
-        ranges=ranges, stages=stages, dataset=dataset, objs=objs, teacher=teacher, distill_reason=distill_reason,
-        results=results, resumed=(start_stage, start_epoch) if state is not None else None, started=started,
-        augment=augment, user_model=user_model, qat_path=qat_path,
+        recipe=recipe, hp=job.hp, settings=job.settings, fold_bn=job.fold_bn, qat_model=qat_model,
+        initialized=carried.initialized, ranges=ranges, stages=job.stages, dataset=job.dataset, objs=job.objs,
+        teacher=carried.teacher, distill_reason=job.distill_reason, results=results, resumed=resumed,
+        started=started, augment=job.augment, user_model=job.user_model, qat_path=qat_path,
     )  # fmt: skip
     record = _run_record(config, dist, out_dir, facts)
     write_json_atomic(out_dir / "run.json", record)
@@ -274,7 +321,7 @@ def _train(config: TrainConfig, dist, resume: bool, force: bool, progress: bool)
         history=out_dir / "history.json",
         run=out_dir / "run.json",
         stages=tuple(results),
-        resumed_from=(start_stage, start_epoch) if state is not None else None,
+        resumed_from=resumed,
         float_layers=tuple(record["quantization"]["float_layers"]),
         ranges=ranges,
         distribution=record["distribution"],

@@ -8,16 +8,14 @@ and says which array each output learns from: its targets, or for an autoencoder
 
 from __future__ import annotations
 
-import json
 import logging
-import zipfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from edgeq.errors import DataError, UsageError
 from edgeq.models.compat import keras, tf
+from edgeq.models.spec import ModelSpec
 from edgeq.tasks.table import OutputSpec, task
 
 log = logging.getLogger(__name__)
@@ -48,29 +46,6 @@ class Objective:
     def to_dict(self) -> dict:
         loss = self.loss if isinstance(self.loss, str) else type(self.loss).__name__
         return {**self.spec.to_dict(), "loss": loss, "loss_weight": self.weight, "loss_source": self.source}
-
-
-def compile_config_of(path: str | Path | None) -> dict | None:
-    """The compile config a model file records (.keras: config.json; .h5: training_config), or None."""
-    if path is None:
-        return None
-    path = Path(path)
-    try:
-        if path.suffix == ".keras" and zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as zf:
-                config = json.loads(zf.read("config.json"))
-            return config.get("compile_config") or None
-        if path.suffix in (".h5", ".hdf5"):
-            import h5py
-
-            with h5py.File(path, "r") as f:
-                raw = f.attrs.get("training_config")
-            if raw is None:
-                return None
-            return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-    except (OSError, KeyError, ValueError):
-        return None
-    return None
 
 
 def _loss_object(entry, from_logits: bool):
@@ -113,14 +88,12 @@ def _default_loss(spec: OutputSpec, probability: bool):
     return task(kind).loss
 
 
-def objectives(model, specs: list[OutputSpec], model_path=None, loss_option: str | None = None) -> list[Objective]:
+def objectives(described: ModelSpec, specs: list[OutputSpec], loss_option: str | None = None) -> list[Objective]:
     """Each output's loss: ``--loss`` wins, then the model file's compile config, then the task table's."""
-    from edgeq.models.load import output_activations
-
-    activations = output_activations(model)
+    activations = described.activations
     names = [s.name for s in specs]
     given = _parse_loss_option(loss_option, names)
-    compiled = compile_config_of(model_path) or {}
+    compiled = described.compile_config
     losses = _per_output(compiled.get("loss"), names) or [None] * len(names)
     weights = _per_output(compiled.get("loss_weights"), names) or [1.0] * len(names)
     result = []

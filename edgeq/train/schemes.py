@@ -362,10 +362,6 @@ def activation_bits_of(qat_model) -> set[int]:
     return bits
 
 
-def is_qat_model(model) -> bool:
-    return any(isinstance(layer, QuantizeWrapper) or type(layer).__name__ == "QuantizeLayer" for layer in model.layers)
-
-
 def copy_float_weights(qat_model, float_model) -> None:
     """Copy the trained float weights inside the QAT wrappers back into the float model."""
     by_name = {layer.name: layer for layer in qat_model.layers}

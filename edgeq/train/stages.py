@@ -22,6 +22,7 @@ from edgeq.errors import TrainingDiverged
 from edgeq.models.compat import keras, tf
 from edgeq.models.load import (
     FP32_NAME,
+    describe,
     keras_outputs_in_order,
     load_user_model,
 )
@@ -281,7 +282,11 @@ def _teacher(float_model, out_dir: Path, fresh: bool, dataset, objs, batch_size:
     teacher = float_model if fresh else load_user_model(out_dir / FP32_NAME)
     names = [o.spec.name for o in objs]
     log.info("distillation: QAT learns the outputs of the FP32 model (%s)", ", ".join(names))
-    return distill.teacher_dataset(teacher, dataset, names, batch_size), distill.objectives(objs, float_model), names
+    return (
+        distill.teacher_dataset(teacher, dataset, names, batch_size),
+        distill.objectives(objs, describe(float_model).activations),
+        names,
+    )
 
 
 def start_ranges(init_ranges: str, float_model, objs) -> tuple[str | None, set[str] | None]:
