@@ -186,6 +186,11 @@ def convert(
     if json_out:
         click.echo(json.dumps({**asdict(result), "path": str(result.path), "manifest": str(result.manifest)}, indent=2))
         return
+    _print_result(result)
+
+
+def _print_result(result) -> None:
+    """The result as a table for people, then the task metric verdicts, notes and where the manifest went."""
     from edgeq.tasks.verdicts import Verdict
 
     v = result.verification

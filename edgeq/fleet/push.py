@@ -14,6 +14,7 @@ import logging
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -109,14 +110,7 @@ def push_files(
     """
     record_live = folder is None
     folder = folder or confine(transport.expand(transport.device.workdir), subdir)
-    local = [Path(f) for f in files]
-    for path in local:
-        if not path.is_file():
-            raise TransferError(f"{path}: no such file to push")
-    targets = [confine(folder, safe_name(p.name)) for p in local]
-    names = [p.name for p in local]
-    if len(set(names)) != len(names):
-        raise UnsafePathError(f"two files with the same name would overwrite each other on the device: {names}")
+    local, targets = _push_targets(files, folder)
 
     def reconnect() -> None:
         if hasattr(transport, "connect"):
@@ -136,47 +130,86 @@ def push_files(
     records = []
     for path, target in zip(local, targets):
         digest = hashes[str(path)]
-        size = path.stat().st_size
-        start = time.monotonic()
-        for leftover in [n for n in existing if n.startswith(f".{path.name}{PART_MARK}")]:
-            log.info("%s: removing an interrupted upload %s", transport.device.name, leftover)
-            transport.remove(confine(folder, leftover))
-        if there.get(target) == digest:
-            records.append(FileTransfer(path.name, target, digest, size, "unchanged", 0.0, 0))
-            continue
-        tries = {"n": 0}
-
-        def upload_once(path=path, target=target, digest=digest, tries=tries) -> None:
-            tries["n"] += 1
-            part = confine(folder, f".{path.name}{PART_MARK}{uuid.uuid4().hex[:12]}")
-            try:
-                transport.upload(path, part)
-                # The target's state is read again on every attempt: an attempt whose rename
-                # happened but whose reply was lost has made the new file live already, and
-                # linking that into .previous/ would make --rollback "restore" the new model.
-                hashes_now = remote_sha256(transport, python, [part, target])
-                got = hashes_now.get(part)
-                if got != digest:
-                    raise TransferError(
-                        f"{transport.device.name}: {path.name}: sha256 on the device {got} != {digest}; not renamed"
-                    )
-                live_now = hashes_now.get(target)
-                if live_now == digest:  # an earlier attempt's rename went through
-                    transport.remove(part)
-                    return
-                if live_now is not None:  # keep the version being replaced, for --rollback
-                    keep_previous(transport, folder, target)
-                transport.rename(part, target)
-            except BaseException:
-                with contextlib.suppress(Exception):  # the connection may be gone; the next push cleans up
-                    transport.remove(part)
-                raise
-
-        retry(upload_once, attempts=attempts, backoff_s=backoff_s, what=f"upload {path.name}", on_retry=reconnect)
-        log.info("%s: %s uploaded (%d bytes)", transport.device.name, path.name, size)
-        records.append(FileTransfer(path.name, target, digest, size, "uploaded", time.monotonic() - start, tries["n"]))
+        records.append(
+            _push_one(transport, path, target, digest, there, existing, folder, python, attempts, backoff_s, reconnect)
+        )
     if not record_live:
         return records
+    _record_pushed(transport, folder, records, there)
+    return records
+
+
+def _push_targets(files: list[str | Path], folder: str) -> tuple[list[Path], list[str]]:
+    """The local files and their paths on the device, checked before anything is sent: all exist, names are unique."""
+    local = [Path(f) for f in files]
+    for path in local:
+        if not path.is_file():
+            raise TransferError(f"{path}: no such file to push")
+    targets = [confine(folder, safe_name(p.name)) for p in local]
+    names = [p.name for p in local]
+    if len(set(names)) != len(names):
+        raise UnsafePathError(f"two files with the same name would overwrite each other on the device: {names}")
+    return local, targets
+
+
+def _push_one(
+    transport: Transport,
+    path: Path,
+    target: str,
+    digest: str,
+    there: dict[str, str | None],
+    existing: list[str],
+    folder: str,
+    python: str,
+    attempts: int,
+    backoff_s: float,
+    reconnect: Callable[[], None],
+) -> FileTransfer:
+    """Send one file unless the device has it already: leftovers removed, sha256 checked, then renamed."""
+    size = path.stat().st_size
+    start = time.monotonic()
+    for leftover in [n for n in existing if n.startswith(f".{path.name}{PART_MARK}")]:
+        log.info("%s: removing an interrupted upload %s", transport.device.name, leftover)
+        transport.remove(confine(folder, leftover))
+    if there.get(target) == digest:
+        return FileTransfer(path.name, target, digest, size, "unchanged", 0.0, 0)
+    tries = {"n": 0}
+
+    def upload_once(path=path, target=target, digest=digest, tries=tries) -> None:
+        tries["n"] += 1
+        part = confine(folder, f".{path.name}{PART_MARK}{uuid.uuid4().hex[:12]}")
+        try:
+            transport.upload(path, part)
+            # The target's state is read again on every attempt: an attempt whose rename
+            # happened but whose reply was lost has made the new file live already, and
+            # linking that into .previous/ would make --rollback "restore" the new model.
+            hashes_now = remote_sha256(transport, python, [part, target])
+            got = hashes_now.get(part)
+            if got != digest:
+                raise TransferError(
+                    f"{transport.device.name}: {path.name}: sha256 on the device {got} != {digest}; not renamed"
+                )
+            live_now = hashes_now.get(target)
+            if live_now == digest:  # an earlier attempt's rename went through
+                transport.remove(part)
+                return
+            if live_now is not None:  # keep the version being replaced, for --rollback
+                keep_previous(transport, folder, target)
+            transport.rename(part, target)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the connection may be gone; the next push cleans up
+                transport.remove(part)
+            raise
+
+    retry(upload_once, attempts=attempts, backoff_s=backoff_s, what=f"upload {path.name}", on_retry=reconnect)
+    log.info("%s: %s uploaded (%d bytes)", transport.device.name, path.name, size)
+    return FileTransfer(path.name, target, digest, size, "uploaded", time.monotonic() - start, tries["n"])
+
+
+def _record_pushed(
+    transport: Transport, folder: str, records: list[FileTransfer], there: dict[str, str | None]
+) -> None:
+    """Update .edgeq-live.json for what the push made live, so that --rollback knows each file's previous version."""
     live = read_live(transport, folder)
     changed = False
     for record in records:
@@ -189,7 +222,6 @@ def push_files(
             changed = True
     if changed:  # a push of unchanged files writes nothing on the device
         write_live(transport, folder, live)
-    return records
 
 
 def _now() -> str:

@@ -306,6 +306,30 @@ def pull(
             raise UsageError(f"{allowed_signers}: no such allowed_signers file")
         _verify(raw, _fetch(urllib.parse.urljoin(base, SIGNATURE), timeout), Path(allowed_signers), threshold)
         fetched += 1
+    release, files, version = _parse_release(raw, base)
+    applied = _applied(folder)
+    number = _admitted(release, files, applied, f"{base}{RELEASE}")
+    try:
+        live = json.loads((folder / LIVE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        live = {}
+    live = live if isinstance(live, dict) else {}
+    there = {n: sha256_file(folder / n) if (folder / n).is_file() else None for n in files}
+    changed = [n for n, e in files.items() if there[n] != e["sha256"]]
+    fetched += _apply_files(folder, base, files, changed, there, live, timeout)
+    _record_live(folder, files, live, changed)
+    record = {
+        "number": number, "version": version, "expires": release.get("expires"),
+        "files": {n: e["sha256"] for n, e in files.items()},
+    }  # fmt: skip
+    if record != {k: applied.get(k) for k in record}:  # after the files: a crash before it only repeats the pull
+        write_json_atomic(folder / APPLIED, {**record, "applied": _now()})
+    unchanged = tuple(n for n in files if n not in changed)
+    return PullResult(version, number, tuple(changed), unchanged, fetched)
+
+
+def _parse_release(raw: bytes, base: str) -> tuple[dict, dict, str]:
+    """release.json's record, its files and its version, checked before anything is fetched: plain names only."""
     try:
         release = json.loads(raw)
         files = release["files"]
@@ -319,15 +343,14 @@ def pull(
     for name in files:
         if "/" in name or "\\" in name or name.startswith(".") or name in ("", ".."):
             raise TransferError(f"{base}{RELEASE}: {name!r} is not a plain file name")
-    applied = _applied(folder)
-    number = _admitted(release, files, applied, f"{base}{RELEASE}")
-    try:
-        live = json.loads((folder / LIVE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        live = {}
-    live = live if isinstance(live, dict) else {}
-    there = {n: sha256_file(folder / n) if (folder / n).is_file() else None for n in files}
-    changed = [n for n, e in files.items() if there[n] != e["sha256"]]
+    return release, files, version
+
+
+def _apply_files(
+    folder: Path, base: str, files: dict, changed: list[str], there: dict, live: dict, timeout: float
+) -> int:
+    """Download and check every changed file, then make them live (the replaced one kept); returns the requests made."""
+    fetched = 0
     parts: dict[str, Path] = {}
     try:
         for name in changed:  # every file downloaded and checked before any is made live
@@ -355,6 +378,11 @@ def pull(
     finally:
         for part in parts.values():
             part.unlink(missing_ok=True)
+    return fetched
+
+
+def _record_live(folder: Path, files: dict, live: dict, changed: list[str]) -> None:
+    """Write .edgeq-live.json when the pull changed it, so that push --rollback knows each file's previous version."""
     stale = [n for n, e in files.items() if (live.get(n) or {}).get("sha256") != e["sha256"]]
     for name in stale:  # live already, but not recorded so (pushed before the record existed)
         live[name] = {"sha256": files[name]["sha256"], "previous_sha256": None, "since": _now()}
@@ -362,14 +390,6 @@ def pull(
         tmp = folder / f"{LIVE}{PART}{os.getpid()}"
         tmp.write_text(json.dumps(live, indent=2, sort_keys=True), encoding="utf-8")
         os.replace(tmp, folder / LIVE)
-    record = {
-        "number": number, "version": version, "expires": release.get("expires"),
-        "files": {n: e["sha256"] for n, e in files.items()},
-    }  # fmt: skip
-    if record != {k: applied.get(k) for k in record}:  # after the files: a crash before it only repeats the pull
-        write_json_atomic(folder / APPLIED, {**record, "applied": _now()})
-    unchanged = tuple(n for n in files if n not in changed)
-    return PullResult(version, number, tuple(changed), unchanged, fetched)
 
 
 def _applied(folder: Path) -> dict:

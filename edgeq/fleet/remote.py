@@ -125,24 +125,6 @@ def for_each_device(
     rollout = rollout or Rollout(parallel=parallel)
     budget = rollout.budget(len(devices))
 
-    def one(device: Device) -> DeviceOutcome:
-        start = time.monotonic()
-        try:
-            result = work(device, on_event)
-        except DeviceUnhealthy as exc:
-            on_event(device.name, f"skipped: {exc}")
-            return DeviceOutcome(device.name, "unhealthy", time.monotonic() - start, str(exc))
-        except EdgeqError as exc:
-            on_event(device.name, f"failed: {exc}")
-            return DeviceOutcome(device.name, "failed", time.monotonic() - start, str(exc))
-        except Exception as exc:  # one broken device must not stop the fleet
-            log.exception("%s: unexpected failure", device.name)
-            message = f"{type(exc).__name__}: {exc}"
-            on_event(device.name, f"failed: {message}")
-            return DeviceOutcome(device.name, "failed", time.monotonic() - start, message)
-        on_event(device.name, f"done in {time.monotonic() - start:.1f} s")
-        return DeviceOutcome(device.name, "ok", time.monotonic() - start, None, result)
-
     # --max-fail without --batch: never more devices in flight than the failures the budget still
     # allows plus one, so a rollout overshoots its budget by one failed device at most, as batches
     # of one would (a budget of 0 goes one device at a time), and each device that finishes lets
@@ -172,7 +154,7 @@ def for_each_device(
                     queue = []  # what was started still finishes
                 while queue and len(running) < room(failed):
                     index = queue.pop(0)
-                    running[pool.submit(one, devices[index])] = index
+                    running[pool.submit(_run_one, devices[index], work, on_event)] = index
                 if not running:
                     continue
                 # a batch is waited for whole; the window, for its first device to finish
@@ -181,22 +163,49 @@ def for_each_device(
                     index = running.pop(future)
                     found[index] = future.result()
     except KeyboardInterrupt:
-        # Ctrl-C: every running command kills its remote process group and stops; devices
-        # not started yet are not touched; what finished is listed.
-        CANCEL.set()
-        for future in running:
-            future.cancel()
-        pool.shutdown(wait=True)
-        finished = list(found.values()) + [f.result() for f in running if f.done() and not f.cancelled()]
-        done = [o.device for o in finished if o.status == "ok"]
-        raise FleetInterrupted(
-            f"interrupted: remote commands stopped; finished on {len(done)} of {len(devices)} device(s)"
-            + (f": {', '.join(done)}" if done else "")
-        ) from None
+        raise _interrupted(pool, running, found, len(devices)) from None
     finally:
         pool.shutdown(wait=False)
         CANCEL.clear()
     return [found[i] for i in range(len(devices))]
+
+
+def _run_one(device: Device, work: Callable[[Device, Event], Any], on_event: Event) -> DeviceOutcome:
+    """Run ``work`` on one device and record how it went: one broken device must not stop the fleet."""
+    start = time.monotonic()
+    try:
+        result = work(device, on_event)
+    except DeviceUnhealthy as exc:
+        on_event(device.name, f"skipped: {exc}")
+        return DeviceOutcome(device.name, "unhealthy", time.monotonic() - start, str(exc))
+    except EdgeqError as exc:
+        on_event(device.name, f"failed: {exc}")
+        return DeviceOutcome(device.name, "failed", time.monotonic() - start, str(exc))
+    except Exception as exc:  # one broken device must not stop the fleet
+        log.exception("%s: unexpected failure", device.name)
+        message = f"{type(exc).__name__}: {exc}"
+        on_event(device.name, f"failed: {message}")
+        return DeviceOutcome(device.name, "failed", time.monotonic() - start, message)
+    on_event(device.name, f"done in {time.monotonic() - start:.1f} s")
+    return DeviceOutcome(device.name, "ok", time.monotonic() - start, None, result)
+
+
+def _interrupted(
+    pool: ThreadPoolExecutor, running: dict[Future, int], found: dict[int, DeviceOutcome], total: int
+) -> FleetInterrupted:
+    """Stop the fleet on Ctrl-C and the error that says so, naming the devices that finished."""
+    # Ctrl-C: every running command kills its remote process group and stops; devices
+    # not started yet are not touched; what finished is listed.
+    CANCEL.set()
+    for future in running:
+        future.cancel()
+    pool.shutdown(wait=True)
+    finished = list(found.values()) + [f.result() for f in running if f.done() and not f.cancelled()]
+    done = [o.device for o in finished if o.status == "ok"]
+    return FleetInterrupted(
+        f"interrupted: remote commands stopped; finished on {len(done)} of {total} device(s)"
+        + (f": {', '.join(done)}" if done else "")
+    )
 
 
 def check_device(device: Device, on_event: Event = _noop) -> Probe:
@@ -463,16 +472,42 @@ def verify_on(
     on_event: Event = _noop,
 ) -> VerifyResult:
     """Same inputs on the device and on this host's interpreter; compare the raw outputs."""
-    from edgeq.runtime.interpreter import TFLiteModel, dequantize
+    from edgeq.runtime.interpreter import TFLiteModel
 
     host = TFLiteModel(model, num_threads=1, delegate=delegate)
     x = quantized_inputs(host, data, inputs, limit)
     count = len(next(iter(x.values())))
+    host_out = _host_outputs(host, x, count)
+    dev_out, machine, dev_runtime = _device_outputs(device, model, x, count, delegate, on_event)
+    rows = _compare_outputs(device, model, host, host_out, dev_out, count)
+    first = rows[0]
+    return VerifyResult(
+        samples=count,
+        bit_exact=all(r["bit_exact"] for r in rows),
+        max_abs_diff=max(r["max_abs_diff"] for r in rows),
+        max_abs_diff_float=max(r["max_abs_diff_float"] for r in rows),
+        top1_agreement=next((r["top1_agreement"] for r in rows if r["top1_agreement"] is not None), None),
+        output_dtype=first["dtype"],
+        device_machine=machine,
+        device_runtime=dev_runtime,
+        host_runtime=f"{host.backend.name} {host.backend_version}",
+        outputs=tuple(rows),
+    )
+
+
+def _host_outputs(host, x: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """The host interpreter's raw outputs, one sample at a time as the device runs them, by output name."""
     host_parts: dict[str, list] = {name: [] for name in host.output_names}
     for i in range(count):
         for name, value in host.invoke_raw_outputs({k: v[i : i + 1] for k, v in x.items()}).items():
             host_parts[name].append(value)
-    host_out = {name: np.concatenate(parts, axis=0) for name, parts in host_parts.items()}
+    return {name: np.concatenate(parts, axis=0) for name, parts in host_parts.items()}
+
+
+def _device_outputs(
+    device: Device, model: str | Path, x: dict[str, np.ndarray], count: int, delegate: str, on_event: Event
+) -> tuple[dict[str, np.ndarray], str, str]:
+    """Push the model and the inputs, run them on the device, and bring back its raw outputs, machine and runtime."""
     with tempfile.TemporaryDirectory(prefix="edgeq-verify-") as tmp:
         stem = Path(model).stem
         inputs_file = Path(tmp) / f"{stem}.verify-inputs.npz"
@@ -502,6 +537,13 @@ def verify_on(
             names = [str(n) for n in npz["output_names"]]
             dev_out = {name: np.asarray(npz[f"output_{i}"]) for i, name in enumerate(names)}
             machine, dev_runtime = str(npz["machine"]), str(npz["runtime"])
+    return dev_out, machine, dev_runtime
+
+
+def _compare_outputs(device: Device, model: str | Path, host, host_out: dict, dev_out: dict, count: int) -> list[dict]:
+    """One row per output: the device's against the host's, raw and dequantized, and top-1 where it is classes."""
+    from edgeq.runtime.interpreter import dequantize
+
     rows = []
     classes = _class_outputs(model, host.output_names)
     for name in host.output_names:
@@ -526,16 +568,4 @@ def verify_on(
                 "dtype": str(mine.dtype),
             }
         )
-    first = rows[0]
-    return VerifyResult(
-        samples=count,
-        bit_exact=all(r["bit_exact"] for r in rows),
-        max_abs_diff=max(r["max_abs_diff"] for r in rows),
-        max_abs_diff_float=max(r["max_abs_diff_float"] for r in rows),
-        top1_agreement=next((r["top1_agreement"] for r in rows if r["top1_agreement"] is not None), None),
-        output_dtype=first["dtype"],
-        device_machine=machine,
-        device_runtime=dev_runtime,
-        host_runtime=f"{host.backend.name} {host.backend_version}",
-        outputs=tuple(rows),
-    )
+    return rows

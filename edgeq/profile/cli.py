@@ -37,6 +37,34 @@ def parse_threads(text: str) -> tuple[int, ...]:
 
 def render(report) -> str:
     """The report as text for people."""
+    lines = _render_header(report)
+    lines.append("")
+    lines += _render_runs(report)
+    lines += _render_scores(report)
+    if report.agreement is not None:
+        a = report.agreement
+        for o in a.outputs or ({"name": "", **dataclasses.asdict(a)},):
+            label = f"vs reference, {o['name']}:" if len(a.outputs) > 1 else "vs reference:"
+            agreement = f"top-1 agreement {pct(o['top1_agreement'])}, " if o["top1_agreement"] is not None else ""
+            sqnr = f", SQNR {o['sqnr_db']:.1f} dB" if o.get("sqnr_db") is not None else ""
+            lines.append(
+                f"{label} {agreement}max |error| {o['max_abs_error']:.4g}, "
+                f"mean |error| {o['mean_abs_error']:.4g}, rmse {o['rmse']:.4g}{sqnr}"
+            )
+    if report.comparison:
+        rows = []
+        label = "task metric"
+        for c in report.comparison:
+            row = metric(c.metric) if c.metric else None
+            label = row.label if row else label
+            drop = "n/a" if row is None or c.worse_by is None else row.show_change(c.worse_by)
+            rows.append([str(c.threads), f"{c.speedup:.2f}x", f"{c.size_ratio:.3f}", drop])
+        lines += ["", table(["threads", "speedup", "size ratio", f"{label} vs reference"], rows, numbers=True)]
+    return "\n".join(lines)
+
+
+def _render_header(report) -> list[str]:
+    """The model, runtime, CPU, ops and thermal lines: what the timings below were measured on."""
     env = report.environment
     m = report.model.model
     ops = m.ops
@@ -56,7 +84,12 @@ def render(report) -> str:
         lines.append(f"thermal  {', '.join(x for x in (temps, flags) if x)}")
         if t.throttled_during:
             lines.append("WARNING  the device throttled during the timed runs: these latencies are not its normal ones")
-    lines.append("")
+    return lines
+
+
+def _render_runs(report) -> list[str]:
+    """The latency and memory table, one row per model and thread count, and how the latencies were taken."""
+    m = report.model.model
     headers = ["model", "threads", "init ms", "first ms", "mean", "median", "p90", "p99", "std", "min", "max"]
     headers += ["inf/s", "RSS load MiB", "RSS run MiB"]
     rows = []
@@ -84,9 +117,15 @@ def render(report) -> str:
                     f"{run.memory.peak_rss_run_mb:.1f}",
                 ]
             )
-    lines.append(table(headers, rows, numbers=True))
+    lines = [table(headers, rows, numbers=True)]
     runs = report.model.runs[0].latency
     lines.append(f"(latency in ms over {runs.runs} runs after {runs.warmup} warm-up)")
+    return lines
+
+
+def _render_scores(report) -> list[str]:
+    """The task metric lines (per output, or one line), and detection mAP, each beside the reference's."""
+    lines: list[str] = []
     if report.model.scores is not None:
         acc = report.model.scores
         reference = report.reference.scores if report.reference is not None else None
@@ -117,26 +156,7 @@ def render(report) -> str:
             if ref.get("map50") is not None:
                 text += f"; reference {ref['map50']:.4f} / {ref['map']:.4f}"
             lines.append(text)
-    if report.agreement is not None:
-        a = report.agreement
-        for o in a.outputs or ({"name": "", **dataclasses.asdict(a)},):
-            label = f"vs reference, {o['name']}:" if len(a.outputs) > 1 else "vs reference:"
-            agreement = f"top-1 agreement {pct(o['top1_agreement'])}, " if o["top1_agreement"] is not None else ""
-            sqnr = f", SQNR {o['sqnr_db']:.1f} dB" if o.get("sqnr_db") is not None else ""
-            lines.append(
-                f"{label} {agreement}max |error| {o['max_abs_error']:.4g}, "
-                f"mean |error| {o['mean_abs_error']:.4g}, rmse {o['rmse']:.4g}{sqnr}"
-            )
-    if report.comparison:
-        rows = []
-        label = "task metric"
-        for c in report.comparison:
-            row = metric(c.metric) if c.metric else None
-            label = row.label if row else label
-            drop = "n/a" if row is None or c.worse_by is None else row.show_change(c.worse_by)
-            rows.append([str(c.threads), f"{c.speedup:.2f}x", f"{c.size_ratio:.3f}", drop])
-        lines += ["", table(["threads", "speedup", "size ratio", f"{label} vs reference"], rows, numbers=True)]
-    return "\n".join(lines)
+    return lines
 
 
 def _metric(name: str, value) -> str:
