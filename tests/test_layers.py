@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.shims.litert",),
     ("edgeq.artifacts",),
     ("edgeq.runtime",),  # the device runtime: interpreter, flatbuffer, inputs, Edge TPU
+    ("edgeq.models.spec",),  # ModelSpec: a model described once (a .tflite on the device too)
     ("edgeq.profile",),  # profile on the device: latency, memory, scores
     # ---- host side from here up: TensorFlow may be imported (through edgeq.models.compat)
     ("edgeq.models.names",),  # no TensorFlow: attribute reads of a Keras model
@@ -261,3 +262,35 @@ def test_no_import_statement_reaches_a_stage_through_a_public_name():
                     if a.name.split(".")[:2][-1] in public and a.name.startswith("edgeq.")
                 ]
     assert bad == []
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80
+
+
+def oversized(modules) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines, functions over MAX_FUNCTION_LINES (def line to last line)."""
+    bad = []
+    for name, path in modules.items():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            bad.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    bad.append(f"{name}.{node.name}: {length} lines")
+    return bad
+
+
+def test_no_room_over_600_lines_and_no_function_over_80():
+    assert oversized(MODULES) == []
+
+
+def test_the_size_check_catches_a_long_function_and_a_long_module(tmp_path):
+    long_function = tmp_path / "f.py"
+    long_function.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    long_module = tmp_path / "m.py"
+    long_module.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    short = tmp_path / "s.py"
+    short.write_text("def f():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES - 1))
+    assert oversized({"f": long_function, "m": long_module, "s": short}) == ["f.f: 81 lines", "m: 601 lines"]
