@@ -16,6 +16,8 @@ def _quant(scale: tuple[float, ...], zero_point: tuple[int, ...]) -> str:
 
 
 def render(report, show_ops: bool = True) -> str:
+    from edgeq.runtime.edgetpu import COMPILER_VERSION
+
     lines = [
         f"model          {report.path}  {human_bytes(report.size_bytes)}  sha256 {report.sha256[:12]}",
         f"schema         v{report.schema_version}, {report.subgraphs} subgraph(s)",
@@ -62,12 +64,18 @@ def render(report, show_ops: bool = True) -> str:
     tpu = report.edgetpu
     if tpu.compiled:
         lines.append(f"edge tpu       compiled for the Edge TPU ({tpu.compiled_ops} edgetpu-custom-op)")
+    if tpu.refused_versions:
+        lines.append(
+            f"edge tpu       edgetpu_compiler {COMPILER_VERSION} would refuse the file (nothing mapped): "
+            f"{'; '.join(tpu.refused_versions)}; convert with an older TensorFlow, or run it on the CPU"
+        )
     if tpu.compatible:
         lines.append(f"edge tpu       compatible: all {tpu.ops_checked} ops can be mapped")
     elif tpu.first_fallback is not None:
         first = tpu.first_fallback
         lines.append(
-            f"edge tpu       not fully compatible: {tpu.ops_mappable} of {tpu.ops_checked} ops would be mapped; "
+            f"edge tpu       not fully compatible: {tpu.ops_mappable} of {tpu.ops_checked} ops "
+            f"({tpu.ops_mappable / max(tpu.ops_checked, 1):.0%}) would be mapped; "
             f"op {first.index} {first.op_type} falls back to the CPU ({'; '.join(first.reasons)}), "
             "and every op after it"
         )

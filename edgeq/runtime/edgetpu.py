@@ -67,6 +67,13 @@ EDGETPU_SUPPORTED_OPS = frozenset(
     }
 )
 NO_FUSED_ACTIVATION_OPS = frozenset({"CONCATENATION", "AVERAGE_POOL_2D", "MAX_POOL_2D"})
+# The Edge TPU compiler is frozen at 16.0 (2022): it knows operator versions up to those of its
+# TensorFlow Lite, and refuses a whole file ("Didn't find op for builtin opcode ... version ...",
+# "Model could not be parsed") holding a newer one. The first version 16.0 is seen to refuse:
+# CONV_2D 6 (google-coral/edgetpu#631), TRANSPOSE_CONV 4 (#845), QUANTIZE 3 (#879), EXP 2
+# (google-coral/libedgetpu#71). Ops not listed here are not known to be refused by version.
+COMPILER_VERSION = "16.0"
+COMPILER_REFUSES_FROM = {"CONV_2D": 6, "TRANSPOSE_CONV": 4, "QUANTIZE": 3, "EXP": 2}
 COMPILER = "edgetpu_compiler"
 COMPILER_INSTALL_HINT = (
     "edgetpu_compiler is not on PATH; it runs only on x86-64 Debian/Ubuntu: "
@@ -96,6 +103,15 @@ class EdgeTPUReport:
     ops_mappable: int  # ops before the first failing one: what the compiler would map
     first_fallback: OpCheck | None
     failing: tuple[OpCheck, ...]
+    # operator versions edgetpu_compiler 16.0 refuses: it rejects the whole file, mapping nothing
+    refused_versions: tuple[str, ...] = ()
+
+    @property
+    def mapped_share(self) -> float:
+        """The share of the ops the compiler would map (0 when it would refuse the file)."""
+        if self.refused_versions or not self.ops_checked:
+            return 0.0
+        return self.ops_mappable / self.ops_checked
 
 
 def _check_op(desc: ModelDesc, op: OperatorDesc) -> OpCheck:
@@ -134,15 +150,32 @@ def check_edgetpu(desc: ModelDesc) -> EdgeTPUReport:
     failing = tuple(c for c in checks if not c.ok)
     first = failing[0] if failing else None
     mappable = len(checks) if first is None else sum(1 for c in checks if c.index < first.index)
+    refused = refused_versions(ops)
     return EdgeTPUReport(
-        compatible=not failing and bool(ops),
+        compatible=not failing and bool(ops) and not refused,
         compiled=compiled_ops > 0,
         compiled_ops=compiled_ops,
         ops_checked=len(checks),
         ops_mappable=mappable,
         first_fallback=first,
         failing=failing,
+        refused_versions=refused,
     )
+
+
+def refused_versions(ops) -> tuple[str, ...]:
+    """Each operator version in ``ops`` that edgetpu_compiler 16.0 refuses, with the ops that have it."""
+    found: dict[tuple[str, int], list[int]] = {}
+    for op in ops:
+        first_refused = COMPILER_REFUSES_FROM.get(op.op_type)
+        if first_refused is not None and op.version >= first_refused:
+            found.setdefault((op.op_type, op.version), []).append(op.index)
+    lines = []
+    for (op_type, version), idx in sorted(found.items()):
+        ops_text = f"op{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx[:6]))}{' ...' if len(idx) > 6 else ''}"
+        highest = COMPILER_REFUSES_FROM[op_type] - 1
+        lines.append(f"{op_type} v{version} ({ops_text}; compiler {COMPILER_VERSION} takes up to v{highest})")
+    return tuple(lines)
 
 
 # ----------------------------------------------------------------------- compiler

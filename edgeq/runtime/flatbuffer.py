@@ -136,6 +136,7 @@ class OperatorDesc:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     fused_activation: str  # NONE when the op has none (or no such option)
+    version: int = 1  # the operator code's version: kernels older than the file may not have it
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,7 @@ def _parse_operators(s, sg, content: bytes, where: str, opcodes: list, n_tensors
         for i in inputs + outputs:
             if not -1 <= i < n_tensors:
                 raise ModelLoadError(f"{where}: op {o} refers to tensor {i} of {n_tensors}")
-        op_type, custom = opcodes[opcode_index]
+        op_type, custom, version = opcodes[opcode_index]
         operators.append(
             OperatorDesc(
                 index=o,
@@ -346,6 +347,7 @@ def _parse_operators(s, sg, content: bytes, where: str, opcodes: list, n_tensors
                 inputs=inputs,
                 outputs=outputs,
                 fused_activation=_fused_activation(s, op),
+                version=version,
             )
         )
     return operators
@@ -361,10 +363,11 @@ def _parse(content: bytes, where: str) -> ModelDesc:
     for i in range(_length(model.OperatorCodesLength(), content, where, "operator codes")):
         code = model.OperatorCodes(i)
         builtin = max(int(code.BuiltinCode()), int(code.DeprecatedBuiltinCode()))
+        version = int(code.Version())
         if builtin == s.BuiltinOperator.CUSTOM:
-            opcodes.append((_text(code.CustomCode()) or "CUSTOM", True))
+            opcodes.append((_text(code.CustomCode()) or "CUSTOM", True, version))
         else:
-            opcodes.append((builtin_op_name(builtin), False))
+            opcodes.append((builtin_op_name(builtin), False, version))
 
     subgraphs = []
     for g in range(_length(model.SubgraphsLength(), content, where, "subgraphs")):

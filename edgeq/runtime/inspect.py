@@ -111,6 +111,7 @@ def inspect_tflite(path: str | Path) -> InspectReport:
 def inspect_to_dict(report: InspectReport) -> dict[str, Any]:
     data = dataclasses.asdict(report)
     first = report.edgetpu.first_fallback
+    data["edgetpu"]["mapped_share"] = round(report.edgetpu.mapped_share, 4)
     data["edgetpu"]["first_fallback"] = (
         None if first is None else {"index": first.index, "op_type": first.op_type, "reasons": list(first.reasons)}
     )

@@ -67,6 +67,34 @@ def test_more_than_three_large_dimensions_and_dynamic_shapes():
     assert report.first_fallback.index == 0 and "dynamic shape" in report.first_fallback.reasons
 
 
+def test_operator_versions_the_frozen_compiler_refuses_are_named_and_map_nothing(tmp_path):
+    """edgetpu_compiler 16.0 refuses a file with CONV_2D v6 (or QUANTIZE v3...) as a whole: inspect and
+    convert --edgetpu name the op and version, and the mapped share is 0, not the share of int8 ops."""
+    from click.testing import CliRunner
+
+    from edgeq.cli import cli
+    from edgeq.runtime.edgetpu import COMPILER_REFUSES_FROM
+
+    desc = read_tflite(INT8)
+    assert {op.op_type for op in desc.main.operators} & set(COMPILER_REFUSES_FROM)
+    assert check_edgetpu(desc).refused_versions == () and check_edgetpu(desc).mapped_share == 1.0
+
+    def newer_conv(model, schema):
+        for code in model.operatorCodes:
+            if max(code.builtinCode, code.deprecatedBuiltinCode) == schema.BuiltinOperator.CONV_2D:
+                code.version = 6
+
+    path = tmp_path / "conv_v6.tflite"
+    path.write_bytes(edit_model(INT8, newer_conv))
+    report = check_edgetpu(read_tflite(path))
+    assert not report.compatible and report.mapped_share == 0.0
+    (refused,) = report.refused_versions
+    assert refused.startswith("CONV_2D v6 (op") and "takes up to v5" in refused
+    result = CliRunner().invoke(cli, ["inspect", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "edgetpu_compiler 16.0 would refuse the file (nothing mapped): CONV_2D v6" in result.output
+
+
 STDOUT = """Edge TPU Compiler version 16.0.384591198
 Started a compilation timeout timer of 180 seconds.
 
