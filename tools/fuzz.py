@@ -323,8 +323,11 @@ def _targets(kind: str, path: Path):
             shape = tuple(max(1, d) for d in model.input.shape[1:])
             model.predict(np.zeros((1, *shape), np.float32))
 
+        from edgeq.quantize.passes import prepared_float_model
+
         return [
             ("inspect", lambda: inspect_to_dict(inspect_tflite(path))),
+            ("convert-float", lambda: prepared_float_model(path.read_bytes(), str(path))),
             ("profile", lambda: profile_model(path, runs=1, warmup=0, progress=False)),
             ("eval-loader", eval_loader),
         ]
@@ -504,7 +507,7 @@ def run() -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     readers = {
-        "tflite": "inspect, profile, eval's loader",
+        "tflite": "inspect, profile, eval's loader, convert's float .tflite reader",
         "npz": "profile --data, train/eval data",
         "inventory": "devices (TOML, Ansible YAML)",
         "npz-multi": "profile --data, train/eval data (x_/y_ arrays, gt_boxes/gt_classes)",

@@ -152,7 +152,8 @@ def convert(
     max_drop,
 ):
     """Convert MODEL (.keras/.h5/SavedModel; a QAT model needs no calibration) to TFLite,
-    then load it in LiteRT and verify it against MODEL before writing it."""
+    then load it in LiteRT and verify it against MODEL before writing it. A float .tflite from any
+    framework converts to --int8-only or --int16x8 with --calib (LiteRT Quantizer, edgeq's ranges)."""
     import json
     from dataclasses import asdict
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from edgeq.artifacts import provenance, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
 from edgeq.convert.edgetpu import _edgetpu
+from edgeq.convert.options import ConversionResult, ModeSpec
 from edgeq.convert.plans import _plan_wide_layers
 from edgeq.convert.search import _calibration_record
 from edgeq.convert.verify import _detection_record, _num_classes
@@ -118,3 +119,25 @@ def _commit(out: Path, flatbuffer: bytes, manifest: dict, notes: list[str], edge
             os.replace(path, out.parent / path.name)
         os.replace(staged, out)
         fsync_path(out.parent)
+
+
+def conversion_result(
+    out: Path, flatbuffer: bytes, manifest: dict, spec: ModeSpec, seconds: float, verification, is_qat, notes
+):
+    """What ``convert`` returns: the written model, its manifest, and what its verification found."""
+    return ConversionResult(
+        path=out,
+        manifest=manifest_beside(out),
+        mode=spec.mode.value,
+        size_bytes=len(flatbuffer),
+        seconds=round(seconds, 3),
+        sha256=manifest["sha256"],
+        input=manifest["input"],
+        output=manifest["output"],
+        outputs=tuple(manifest["outputs"]),
+        ops=manifest["ops"],
+        verification=verification,
+        source_is_qat=is_qat,
+        notes=tuple(notes),
+        edgetpu=manifest.get("edgetpu"),
+    )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeq.convert.converter import _calibration, _convert_tflite, _converter_error, _input_rescaling_hint, _load_source
-from edgeq.convert.manifest import _commit, _manifest
+from edgeq.convert.manifest import _commit, _manifest, conversion_result
 from edgeq.convert.options import VERIFY_SAMPLES, ConversionResult, ConvertOptions, Mode, ModeSpec, default_output
 from edgeq.convert.plans import (
     _check_wide_plan,
@@ -22,7 +22,6 @@ from edgeq.convert.search import _check_held_out, _convert_searching_ranges
 from edgeq.convert.verify import _held_targets, _verify
 from edgeq.errors import ConversionError, DataError, UsageError
 from edgeq.models.spec import ModelSpec
-from edgeq.runtime.inputs import manifest_beside
 from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.tasks.table import TASKS
 
@@ -38,6 +37,10 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     from edgeq.models.load import concatenated_outputs, task_targets
 
     options = options or ConvertOptions()
+    if isinstance(model, (str, Path)) and Path(model).suffix == ".tflite":
+        from edgeq.convert.from_tflite import convert_float_tflite
+
+        return convert_float_tflite(Path(model), out, options)
     spec, calib_samples, plan = options.spec, options.calib_samples, options.plan
     notes: list[str] = []
     keras_model, reference_model, source, is_qat = _source(model, options, notes)
@@ -89,7 +92,7 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
     run = {"source": source, "is_qat": is_qat, "ptq": ptq_record, "seconds": seconds, "model": keras_model}
     manifest = _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spec, verification, notes, run)
     _commit(out, flatbuffer, manifest, notes, options.edgetpu)
-    return _result(out, flatbuffer, manifest, spec, seconds, verification, is_qat, notes)
+    return conversion_result(out, flatbuffer, manifest, spec, seconds, verification, is_qat, notes)
 
 
 def _source(model: Any, options: ConvertOptions, notes: list[str]):
@@ -114,25 +117,6 @@ def _source(model: Any, options: ConvertOptions, notes: list[str]):
     if options.equalize or options.plan or options.bias_correct:  # graph transforms work on tf_keras
         keras_model = as_tf_keras(keras_model)
     return keras_model, reference_model, source, is_qat
-
-
-def _result(out: Path, flatbuffer: bytes, manifest: dict, spec: ModeSpec, seconds: float, verification, is_qat, notes):
-    return ConversionResult(
-        path=out,
-        manifest=manifest_beside(out),
-        mode=spec.mode.value,
-        size_bytes=len(flatbuffer),
-        seconds=round(seconds, 3),
-        sha256=manifest["sha256"],
-        input=manifest["input"],
-        output=manifest["output"],
-        outputs=tuple(manifest["outputs"]),
-        ops=manifest["ops"],
-        verification=verification,
-        source_is_qat=is_qat,
-        notes=tuple(notes),
-        edgetpu=manifest.get("edgetpu"),
-    )
 
 
 def _check_source(source: ModelSpec, is_qat: bool, options: ConvertOptions) -> None:

@@ -7,6 +7,7 @@ import numpy as np
 from edgeq.convert.converter import float_ops
 from edgeq.convert.options import Mode, ModeSpec, Verification
 from edgeq.errors import ConversionError, IntegerOnlyError, UsageError
+from edgeq.runtime.interpreter import TFLiteModel
 from edgeq.tasks.table import task
 from edgeq.tasks.verdicts import NothingJudged, Verdict, judge
 
@@ -49,7 +50,7 @@ def _check_contract(tflite, spec: ModeSpec, io_type: str, source_name: str, name
     tensors += [("output", n, t) for n, t in zip(tflite.output_names, tflite.outputs)]
     for kind, name, tensor in tensors:
         # a mixed int8/int16 model whose last layer computes at 16 bits answers in int16
-        wide_output = kind == "output" and tensor.dtype == "int16" and spec.mode == Mode.INT8_ONLY
+        wide_output = kind == "output" and tensor.dtype == "int16" and spec.mode in (Mode.INT8_ONLY, Mode.INT16X8)
         if tensor.dtype != expected_io and not wide_output:
             raise ConversionError(
                 f"{source_name}: mode {spec.mode.value} promised {expected_io} {kind}s "
@@ -100,13 +101,17 @@ def _verify(
     tflite, keras_model, spec, held, data_spec, io_type, source, min_sqnr_db, outputs, targets=None, max_drop=None
 ) -> Verification:
     """The converted model against the source (its ModelSpec: ``source``), output by output (matched
-    by name, never position); with labels, each output's task metric too (n, change, paired interval)."""
+    by name, never position); with labels, each output's task metric too (n, change, paired interval).
+    ``keras_model`` is the model it was converted from: a Keras model, or a float .tflite's TFLiteModel."""
     from edgeq.models.load import keras_outputs
 
     names, source_name = [o.name for o in outputs], source.name
     floats = _check_contract(tflite, spec, io_type, source_name, names)
     x, classes, data_text = _verification_inputs(tflite, held, data_spec, source)
-    reference = keras_outputs(keras_model, x)
+    if isinstance(keras_model, TFLiteModel):
+        reference = keras_model.predict_outputs(x, batch_size=1)
+    else:
+        reference = keras_outputs(keras_model, x)
     got = tflite.predict_outputs(x, batch_size=1)
     thresholds = _min_sqnr(spec, min_sqnr_db, names)
     per_output, failed = [], []

@@ -42,6 +42,8 @@ def eval_command(model, reference, data, split, max_drop, json_path, task):
         click.echo(json.dumps(r.to_dict(), indent=2))
     else:
         click.echo(f"{r.data}: {r.samples} samples" + ("" if r.labelled else " (no labels: outputs compared only)"))
+        if r.matching:  # a .tflite converted by hand names its outputs as its converter did
+            click.echo(f"note: {r.matching}")
         click.echo(table(["metric", "FP32 reference", f"{r.model_dtype} model"], _rows(r)))
         for verdict in r.verdicts:  # each judged output: the change with its n and paired interval
             click.echo(Verdict.from_dict(verdict).line())

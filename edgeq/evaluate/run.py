@@ -9,7 +9,7 @@ for regression, AUC for an anomaly-detection autoencoder, SQNR for everything.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,7 @@ class EvalResult:
     metric: str | None = None  # what value, reference_value and worse_by measure (edgeq.tasks.metrics.METRICS)
     unit: str | None = None  # of value: "%" for a share (stored as a fraction), "" for the target's units
     change_unit: str | None = None  # of worse_by: "pp", "%" (of an error), "points"
+    matching: str | None = None  # how outputs were matched with the reference's when names differ (None: by name)
 
     def to_dict(self) -> dict:
         return {"kind": "edgeq.eval", **_json_safe(asdict(self))}
@@ -132,12 +133,7 @@ def evaluate(
     got = quantized.predict_outputs(x, batch_size=1)
     ref, ref_size, reference_spec = _reference_outputs(reference, x)
     names = described.output_names
-    missing = [n for n in names if n not in ref]
-    if missing:
-        raise DataError(
-            f"{reference} has no output named {', '.join(missing)} (its outputs: {', '.join(ref)}); "
-            "give the model this .tflite was converted from"
-        )
+    ref, matching = _matched(names, got, ref, reference)
     specs = described.judged_with(reference_spec).tasks(task_spec, _targets(dataset, names))
     rows, primary, verdicts = _scored(specs, ref, got, dataset, split, x, max_drop_pp, model)
     detection = _detection(specs, ref, got, dataset, split, model, max_drop_pp)
@@ -154,8 +150,34 @@ def evaluate(
             f"({', '.join(f'{s.name}: {s.kind}' for s in specs)}), so there is nothing to judge; give labels "
             "('y', or 'y_<output>' for each output) or declare the tasks with --task"
         )
-    return _result(model, reference, f"{data} ({split})", x, rows, primary, verdicts, detection, ref_size,
+    result = _result(model, reference, f"{data} ({split})", x, rows, primary, verdicts, detection, ref_size,
                      quantized.input.dtype, max_drop_pp, dataset.labelled)  # fmt: skip
+    return replace(result, matching=matching)
+
+
+def _matched(names: list[str], got: dict, ref: dict, reference: Path) -> tuple[dict, str | None]:
+    """The reference's outputs under the model's names, and how they were matched (None: by name).
+
+    A .tflite edgeq converted names its outputs as the Keras model does; one converted by hand
+    names them as its converter did (``output_0``). One output each matches trivially; several by
+    shape, where each shape is one output's in both models; anything else is refused in one line."""
+    if all(n in ref for n in names):
+        return ref, None
+    theirs = list(ref)
+    if len(names) == 1 and len(theirs) == 1:
+        return {names[0]: ref[theirs[0]]}, f"the one output {names[0]!r} against the reference's {theirs[0]!r}"
+    shape_of = {n: tuple(np.shape(got[n])[1:]) for n in names}
+    by_shape = {}
+    for name, shape in shape_of.items():
+        same = [t for t in theirs if tuple(np.shape(ref[t])[1:]) == shape]
+        if len(same) != 1 or list(shape_of.values()).count(shape) != 1:
+            raise DataError(
+                f"{reference} has no output named {name!r} (its outputs: {', '.join(theirs)}), and its shape "
+                f"{shape} does not name one either; give the model this .tflite was converted from"
+            )
+        by_shape[name] = same[0]
+    pairs = ", ".join(f"{n} = {t}" for n, t in by_shape.items())
+    return {n: ref[t] for n, t in by_shape.items()}, f"outputs matched by shape: {pairs}"
 
 
 def _scored(specs, ref: dict, got: dict, dataset, split: str, x, max_drop_pp, model: Path):

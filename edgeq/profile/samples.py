@@ -25,7 +25,7 @@ from edgeq.tasks.detection import GROUND_TRUTH
 @dataclass(frozen=True)
 class DeviceSamples:
     """The samples ``edgeq profile`` reads from an .npz on the device (numpy only; the host's
-    edgeq.data.Dataset, with splits and sources, needs TensorFlow)."""
+    edgeq.data.splits.Dataset, with splits and sources, needs TensorFlow)."""
 
     x: np.ndarray | dict  # float32, batch first, in the model's float range; a dict by input name for several
     y: np.ndarray | dict | None  # class ids or float targets; a dict by output name; None without labels

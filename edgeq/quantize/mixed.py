@@ -100,8 +100,9 @@ class MixedCalibration:
                 seen.append(op.layer)
         return seen
 
-    def quantize(self, wide: Iterable[str] = ()) -> bytes:
-        """Integer-only model (int8 I/O): ``wide`` layers at 16-bit activations, the rest int8."""
+    def quantize(self, wide: Iterable[str] = (), weight_bits: int = 8) -> bytes:
+        """Integer-only model (int8 I/O): ``wide`` layers at 16-bit activations, the rest int8;
+        ``weight_bits`` 4: W4A8 (4-bit weights in LiteRT Quantizer's packed INT4)."""
         qtyping, quantizer = _litert_quantizer()
         wide = list(dict.fromkeys(wide))
         missing = [name for name in wide if name not in self.layers]
@@ -112,7 +113,7 @@ class MixedCalibration:
             )
         qt = quantizer.Quantizer(self.float_model)
         every = qtyping.TFLOperationName.ALL_SUPPORTED
-        qt.add_static_config(regex=".*", operation_name=every, activation_num_bits=8, weight_num_bits=8)
+        qt.add_static_config(regex=".*", operation_name=every, activation_num_bits=8, weight_num_bits=weight_bits)
         calibration = dict(self.calibration)
         for op in self.ops:
             if op.layer in wide:
@@ -128,7 +129,7 @@ class MixedCalibration:
                     regex=f"^{re.escape(op.scope)}$",
                     operation_name=every,
                     activation_num_bits=WIDE_BITS,
-                    weight_num_bits=8,
+                    weight_num_bits=weight_bits,
                 )
         with native_output_silenced():
             result = qt.quantize(calibration, enable_progress_report=False)
@@ -136,7 +137,26 @@ class MixedCalibration:
 
 
 def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None, ranges: str = "minmax") -> MixedCalibration:
-    """Convert ``keras_model`` to float TFLite and choose every tensor's range on ``samples``.
+    """Convert ``keras_model`` to float TFLite and choose every tensor's range on ``samples``
+    (``calibrate_float``); its ops are matched to the Keras layers they compute."""
+    with native_output_silenced():
+        # batch 1, fixed: a free batch makes Reshape targets SHAPE ops on dequantized (float) tensors
+        float_model = keras_converter(keras_model, static_batch=True, input_shapes=input_shapes).convert()
+    return calibrate_float(float_model, samples, [layer.name for layer in keras_model.layers], ranges)
+
+
+def op_names(float_model: bytes) -> list[str]:
+    """A float .tflite's ops named by their first output tensor: its "layers" when it has no Keras model."""
+    desc = verify_tflite(float_model, "the float model")
+    tensors = desc.main.tensors
+    first = (
+        next((tensors[i].name for i in op.outputs if i >= 0 and tensors[i].name), "") for op in desc.main.operators
+    )
+    return list(dict.fromkeys(n for n in first if n))
+
+
+def calibrate_float(float_model: bytes, samples, layer_names: list[str], ranges: str = "minmax") -> MixedCalibration:
+    """Choose every tensor's range of a float .tflite (with a signature) on ``samples``.
 
     LiteRT Quantizer's own calibration keeps a moving average of each sample's min/max
     (smoothing 0.95), which clips every tensor to the extremes of its last few dozen samples:
@@ -154,9 +174,6 @@ def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None, rang
     if ranges not in ACTIVATION_METHODS:
         raise UsageError(f"activation ranges must be one of {', '.join(ACTIVATION_METHODS)}, got {ranges!r}")
     qtyping, quantizer = _litert_quantizer()
-    with native_output_silenced():
-        # batch 1, fixed: a free batch makes Reshape targets SHAPE ops on dequantized (float) tensors
-        float_model = keras_converter(keras_model, static_batch=True, input_shapes=input_shapes).convert()
     signatures = Interpreter(model_content=float_model).get_signature_list()
     (key, signature), *_ = signatures.items()
     if not isinstance(samples, dict):
@@ -191,7 +208,6 @@ def calibrate_mixed(keras_model, samples, input_shapes: dict | None = None, rang
             "min": np.full(shape, low, np.float32),
             "max": np.full(shape, high, np.float32),
         }
-    layer_names = [layer.name for layer in keras_model.layers]
     return MixedCalibration(
         float_model, calibration, tuple(op_scopes(float_model, layer_names)), layer_names, wide_ranges
     )

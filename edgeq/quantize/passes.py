@@ -8,12 +8,22 @@
 - ``with_weight_codes``: edgeq's chosen weight codes and scales (``--weight-ranges``,
   ``--rounding``, W4A8) written into the filters the converter quantized.
 - ``unfuse_hard_swish``: int8 HARD_SWISH as ADD/MUL, which XNNPACK runs in one partition.
+- ``prepared_float_model``: a float .tflite from any framework (MediaPipe, TF Hub, LiteRT Torch,
+  onnx2tf) as LiteRT Quantizer takes it: each float16 constant read by a DEQUANTIZE op becomes the
+  float32 constant that op computes (the op goes), and a file without a signature gets one
+  (``serving_default``) from its main subgraph's inputs and outputs, named by their tensors' names,
+  as the interpreter names them in a file without one.
 
 Verification after conversion still compares the edited model with the Keras model.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeq.errors import ModelLoadError
 from edgeq.runtime.flatbuffer import schema
 
 _INTEGER = ("INT8", "UINT8", "INT16")
@@ -268,3 +278,149 @@ def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
     if not unfused:
         return content, 0
     return _packed(model, len(content)), unfused
+
+
+SIGNATURE_KEY = "serving_default"
+_QUANTIZED = ("INT8", "UINT8", "INT16", "INT4")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The float model LiteRT Quantizer takes, and what was changed to get it."""
+
+    content: bytes
+    float16_constants: int  # float16 constants made float32 (their DEQUANTIZE ops removed)
+    signature_added: bool
+
+
+def _name(tensor) -> str:
+    name = tensor.name
+    return name.decode() if isinstance(name, bytes) else str(name or "")
+
+
+def _check_float(model, s, where: str) -> None:
+    """A model quantized already (integer weights or activations) is no float model to quantize."""
+    integer = {getattr(s.TensorType, t) for t in _QUANTIZED if hasattr(s.TensorType, t)}
+    graph = model.subgraphs[0]
+    dequantize = s.BuiltinOperator.DEQUANTIZE
+    fed_to_dequantize = {
+        int(op.inputs[0])
+        for op in graph.operators or []
+        if _builtin(model, op) == dequantize and op.inputs is not None and len(op.inputs)
+    }
+    for index, tensor in enumerate(graph.tensors or []):
+        if tensor.type in integer and index not in fed_to_dequantize:
+            raise ModelLoadError(
+                f"{where}: tensor {_name(tensor)!r} is {_dtype_name(s, tensor.type)}: the model is quantized already; "
+                "edgeq quantizes float .tflite files (give the float model, or profile/eval this one as it is)"
+            )
+
+
+def _dtype_name(s, value: int) -> str:
+    return next((k.lower() for k, v in vars(s.TensorType).items() if v == value), str(value))
+
+
+def _float16_to_float32(model, s) -> int:
+    """Replace each DEQUANTIZE of a float16 constant by the float32 constant it computes."""
+    graph = model.subgraphs[0]
+    dequantize, float16, float32 = s.BuiltinOperator.DEQUANTIZE, s.TensorType.FLOAT16, s.TensorType.FLOAT32
+    replaced: dict[int, int] = {}  # output tensor -> the float16 constant it dequantized
+    keep = []
+    for op in graph.operators or []:
+        if _builtin(model, op) == dequantize and op.inputs is not None and len(op.inputs) == 1:
+            source, out = int(op.inputs[0]), int(op.outputs[0])
+            tensor = graph.tensors[source]
+            data = model.buffers[tensor.buffer].data if tensor.buffer < len(model.buffers) else None
+            if tensor.type == float16 and data is not None and len(data):
+                values = np.frombuffer(bytes(bytearray(data)), dtype="<f2").astype("<f4")
+                target = graph.tensors[out]
+                buffer = s.BufferT()
+                buffer.data = np.frombuffer(values.tobytes(), dtype=np.uint8)
+                model.buffers.append(buffer)
+                target.buffer, target.type = len(model.buffers) - 1, float32
+                replaced[out] = source
+                continue
+        keep.append(op)
+    graph.operators = keep
+    if replaced:
+        _drop_unused_tensors(model, graph, set(replaced.values()))
+    return len(replaced)
+
+
+def _drop_unused_tensors(model, graph, candidates: set[int]) -> None:
+    """Remove the ``candidates`` no op, input or output uses any more (the float16 constants), with
+    their buffers' bytes; every tensor index in the graph is renumbered."""
+    used = set()
+    for op in graph.operators or []:
+        used |= {int(t) for t in (*(op.inputs if op.inputs is not None else []), *(op.outputs or []))}
+    used |= {int(t) for t in (graph.inputs if graph.inputs is not None else [])}
+    used |= {int(t) for t in (graph.outputs if graph.outputs is not None else [])}
+    gone = sorted(i for i in candidates if i not in used)
+    if not gone:
+        return
+    for index in gone:
+        buffer = graph.tensors[index].buffer
+        if 0 < buffer < len(model.buffers):
+            model.buffers[buffer].data = None  # the bytes go; the empty buffer keeps the others' numbers
+    kept = [i for i in range(len(graph.tensors)) if i not in set(gone)]
+    new_index = {old: new for new, old in enumerate(kept)}
+
+    def renumbered(indices):
+        return None if indices is None else [new_index[int(i)] if int(i) >= 0 else int(i) for i in indices]
+
+    for op in graph.operators or []:
+        op.inputs, op.outputs = renumbered(op.inputs), renumbered(op.outputs)
+        if getattr(op, "intermediates", None) is not None:
+            op.intermediates = renumbered(op.intermediates)
+    graph.inputs, graph.outputs = renumbered(graph.inputs), renumbered(graph.outputs)
+    graph.tensors = [graph.tensors[i] for i in kept]
+    for signature in model.signatureDefs or []:
+        if signature.subgraphIndex == 0:
+            for entry in (*(signature.inputs or []), *(signature.outputs or [])):
+                entry.tensorIndex = new_index[int(entry.tensorIndex)]
+
+
+def _add_signature(model, s) -> bool:
+    if model.signatureDefs:
+        return False
+    graph = model.subgraphs[0]
+
+    def entries(indices) -> list:
+        found = []
+        for i, index in enumerate(indices if indices is not None else []):
+            entry = s.TensorMapT()
+            # the tensor's own name: what the interpreter calls the input or output of a file without a
+            # signature, so the quantized model's outputs match the float file's by name (eval, profile)
+            entry.name = _name(graph.tensors[int(index)]) or f"tensor_{i}"
+            entry.tensorIndex = int(index)
+            found.append(entry)
+        return found
+
+    signature = s.SignatureDefT()
+    signature.signatureKey = SIGNATURE_KEY
+    signature.subgraphIndex = 0
+    signature.inputs, signature.outputs = entries(graph.inputs), entries(graph.outputs)
+    model.signatureDefs = [signature]
+    return True
+
+
+def prepared_float_model(content: bytes, where: str) -> Prepared:
+    """``content`` as LiteRT Quantizer takes it: float32 constants and a signature (see the module)."""
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    verify_tflite(content, where)  # every index and offset checked: a broken file is refused in one line
+    s = schema()
+    try:
+        model = s.ModelT.InitFromPackedBuf(content, 0)
+    except Exception as exc:  # a corrupt flatbuffer raises many types
+        raise ModelLoadError(f"{where}: not a readable .tflite flatbuffer ({type(exc).__name__})") from exc
+    if not model.subgraphs:
+        raise ModelLoadError(f"{where}: the .tflite has no subgraph")
+    if len(model.subgraphs) > 1 and not model.signatureDefs:
+        raise ModelLoadError(f"{where}: {len(model.subgraphs)} subgraphs and no signature: say which one to quantize")
+    _check_float(model, s, where)
+    float16 = _float16_to_float32(model, s)
+    added = _add_signature(model, s)
+    if not float16 and not added:
+        return Prepared(content, 0, False)
+    return Prepared(_packed(model, len(content) * (2 if float16 else 1)), float16, added)

@@ -1,0 +1,118 @@
+"""`edgeq convert X.tflite`: a float .tflite from any framework, quantized and verified like a Keras model.
+
+The file is made ready for LiteRT Quantizer (float16 constants to float32, a signature where it
+has none: ``edgeq.quantize.passes.prepared_float_model``), calibrated with edgeq's observers and range methods
+(``edgeq.quantize.mixed.calibrate_float``, as mixed plans are), quantized integer-only (int8
+inputs and outputs), and verified output by output against the float file itself. What needs the
+source model (QAT, graph transforms, the TFLite converter's options) is refused in one line.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from edgeq.convert.manifest import _commit, _manifest, conversion_result
+from edgeq.convert.options import VERIFY_SAMPLES, ConversionResult, ConvertOptions, Mode, default_output
+from edgeq.convert.verify import _held_targets, _verify
+from edgeq.errors import UsageError
+from edgeq.models.spec import ModelSpec, describe_tflite
+from edgeq.quantize.passes import prepared_float_model
+from edgeq.runtime.interpreter import TFLiteModel
+
+MODES = (Mode.INT8_ONLY, Mode.INT16X8)
+# What a .tflite cannot be given, and what to bring instead.
+_NEEDS_SOURCE = {
+    "equalize": "--equalize changes the float layers",
+    "bias_correct": "--bias-correct changes the float layers",
+    "plan": "--plan names Keras layers",
+    "input_shape": "--input-shape rebuilds the model's inputs",
+}
+
+
+def _refused(path: Path, options: ConvertOptions) -> None:
+    """One line for each option a float .tflite cannot take, saying what to do instead."""
+    spec = options.spec
+    if spec.mode not in MODES:
+        raise UsageError(
+            f"{path}: a float .tflite is quantized by LiteRT Quantizer to --int8-only or --int16x8 "
+            f"(integer inputs and outputs); {spec.mode.value} needs the source model (.keras/.h5/SavedModel)"
+        )
+    for option, what in _NEEDS_SOURCE.items():
+        if getattr(options, option):
+            raise UsageError(f"{path}: {what}, which a .tflite does not have: give the source model for it")
+    if options.edgetpu:
+        raise UsageError(
+            f"{path}: --edgetpu compiles what the TFLite converter writes; convert this file with --int8-only, "
+            "then run edgetpu_compiler on the result (edgeq inspect --edgetpu says what it would refuse)"
+        )
+    if options.rounding != "nearest" or options.weight_ranges != "minmax":
+        raise UsageError(f"{path}: --rounding and --weight-ranges choose Keras weights: give the source model")
+    if options.weight_bits not in (4, 8):
+        raise UsageError(f"{path}: --weight-bits takes 8 or 4 (W4A8) for a .tflite")
+    if options.calib is None:
+        raise UsageError(f"{path}: a .tflite records no training data: give --calib SRC (samples of its input)")
+
+
+def _ranges(options: ConvertOptions) -> str:
+    """--ptq for a .tflite: edgeq's observers with one method (auto and converter: min/max)."""
+    return options.ptq if options.ptq not in ("auto", "converter") else "minmax"
+
+
+def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOptions) -> ConversionResult:
+    """Quantize the float .tflite at ``path`` and verify it against the file, output by output."""
+    from edgeq.data.sources import load_dataset
+    from edgeq.models.load import task_targets
+    from edgeq.quantize.mixed import calibrate_float, op_names
+
+    _refused(path, options)
+    # LiteRT Quantizer's models are integer-only with int8 inputs and outputs, --int16x8's too
+    spec, notes = replace(options.spec, integer_io=True, integer_only=True), []
+    prepared = prepared_float_model(path.read_bytes(), str(path))
+    if prepared.float16_constants:
+        notes.append(f"{prepared.float16_constants} float16 constant(s) read as float32 (their DEQUANTIZE ops removed)")
+    if prepared.signature_added:
+        notes.append("the file has no signature: edgeq gave it one from its inputs and outputs (serving_default)")
+    reference = TFLiteModel(model_content=prepared.content)
+    source = _described(reference, path)
+    out = Path(out) if out else default_output(path, spec.mode)
+    if out.suffix != ".tflite" or out.resolve() == path.resolve():
+        raise UsageError(f"{out}: the output must end in .tflite and not overwrite the float model")
+    dataset = load_dataset(options.calib, source.input_shape, labels_required=False)
+    dataset.check_fits(source.input_shape, where=f"model {path}")
+    dataset.check_finite()
+    outputs = source.tasks(options.task, task_targets(dataset, source.output_names))
+    held = dataset.held_out(VERIFY_SAMPLES if options.max_drop is None else None, select=0)
+    started = time.perf_counter()
+    ranges = _ranges(options)
+    cal = calibrate_float(
+        prepared.content, dataset.calibration_samples(options.calib_samples), op_names(prepared.content), ranges
+    )
+    wide = cal.layers if spec.mode == Mode.INT16X8 else ()
+    flatbuffer = cal.quantize(wide, weight_bits=options.weight_bits)
+    seconds = time.perf_counter() - started
+    notes.append(
+        f"LiteRT Quantizer, {ranges} activation ranges (edgeq's observers), "
+        f"{'16' if wide else '8'}-bit activations, {options.weight_bits}-bit weights"
+    )
+    tflite = TFLiteModel(model_content=flatbuffer)
+    verification = _verify(
+        tflite, reference, spec, held, options.calib, options.io_type, source, options.min_sqnr_db, outputs,
+        _held_targets(dataset, held, outputs), options.max_drop,
+    )  # fmt: skip
+    run = {"source": source, "is_qat": False, "ptq": None, "seconds": seconds, "model": None}
+    manifest = _manifest(
+        out, flatbuffer, tflite, spec, options, outputs, dataset, options.calib, verification, notes, run
+    )
+    _commit(out, flatbuffer, manifest, notes, False)
+    return conversion_result(out, flatbuffer, manifest, spec, seconds, verification, False, notes)
+
+
+def _described(reference: TFLiteModel, path: Path) -> ModelSpec:
+    """The float file's ModelSpec, named by the file; a free (-1) input dimension is refused."""
+    source = describe_tflite(reference, path)
+    free = [t.name for t in source.inputs if any(d is None or d < 1 for d in t.shape)]
+    if free:
+        raise UsageError(f"{path}: input {free[0]!r} has a free dimension: export the model with a fixed input shape")
+    return source
