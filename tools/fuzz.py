@@ -34,6 +34,7 @@ case and the next worker goes on after it. Case i is reproducible: its mutation 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -62,6 +63,11 @@ INVENTORY_SEEDS = {
 FUZZ_DATA = DATA / "fuzz"
 REPORT_SEEDS = ("eval.json", "profile.json", "digits_int8.manifest.json", "run.json", "history.json")
 TASK_SEED = '{"head0": "regression", "head1": "classification"}'
+DETECTION_TASK_SEED = (
+    '{"detection": {"layout": "ssd", "boxes": "head0", "scores": "head1", "classes": 1, "anchors": {"input_size": '
+    '128, "num_layers": 4, "min_scale": 0.1484375, "max_scale": 0.75, "strides": [8, 16, 16, 16], '
+    '"fixed_anchor_size": true}, "coder": {"order": "xywh", "scales": [128, 128, 128, 128], "exponential": false}}}'
+)
 PLAN_SEED = (
     '{"kind": "edgeq.plan", "model": "m.keras", "met": true, "ranges": "mse", "fallback": "float", '
     '"layers": {"conv1": "float", "dense": {"weight_bits": 4}, "re:block_.*": {"activation_bits": 16}}, '
@@ -141,11 +147,11 @@ def mutate_json(data: bytes, rng: np.random.Generator) -> bytes:
         nodes = list(_nodes(doc))
         parent, key = nodes[int(rng.integers(0, len(nodes)))]
         if parent is None:
-            doc = EDGE_VALUES[int(rng.integers(0, len(EDGE_VALUES)))]
+            doc = copy.deepcopy(EDGE_VALUES[int(rng.integers(0, len(EDGE_VALUES)))])
             continue
         action = int(rng.integers(0, 4))
-        if action == 0:  # a value of another type or an edge value
-            parent[key] = EDGE_VALUES[int(rng.integers(0, len(EDGE_VALUES)))]
+        if action == 0:  # a value of another type or an edge value (a fresh copy: never one object twice)
+            parent[key] = copy.deepcopy(EDGE_VALUES[int(rng.integers(0, len(EDGE_VALUES)))])
         elif action == 1 and isinstance(parent, dict):  # a key deleted
             del parent[key]
         elif action == 2 and isinstance(parent, dict):  # a key renamed
@@ -291,7 +297,7 @@ def _seed_files(kinds: tuple[str, ...] = KINDS) -> dict[str, list[tuple[str, byt
         "npz": lambda: [(NPZ_SEED, (DATA / NPZ_SEED).read_bytes())],
         "inventory": lambda: [(name, text.encode()) for name, text in INVENTORY_SEEDS.items()],
         "npz-multi": _multi_npz,
-        "task": lambda: [("tasks.json", TASK_SEED.encode())],
+        "task": lambda: [("tasks.json", TASK_SEED.encode()), ("detector.json", DETECTION_TASK_SEED.encode())],
         "plan": lambda: [("plan.json", PLAN_SEED.encode())],
         "report": lambda: [(name, (FUZZ_DATA / name).read_bytes()) for name in REPORT_SEEDS],
         "release": lambda: [("release.json", _release_seed())],
@@ -352,9 +358,13 @@ def _targets(kind: str, path: Path):
 
         return [("profile --data", profile_reader), ("train/eval data", lambda: training_npz(path))]
     if kind == "task":
+        from edgeq.tasks.detection import declared_detection
         from edgeq.tasks.table import load_task_spec
 
-        return [("--task FILE", lambda: load_task_spec(str(path), ["head0", "head1"]))]
+        return [
+            ("--task FILE", lambda: load_task_spec(str(path), ["head0", "head1"])),
+            ("--task FILE (detector)", lambda: declared_detection(str(path))),
+        ]
     if kind == "plan":
         from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
 
@@ -511,7 +521,7 @@ def run() -> str:
         "npz": "profile --data, train/eval data",
         "inventory": "devices (TOML, Ansible YAML)",
         "npz-multi": "profile --data, train/eval data (x_/y_ arrays, gt_boxes/gt_classes)",
-        "task": "--task FILE.json",
+        "task": "--task FILE.json (output kinds, a detector's layout and anchors)",
         "plan": "--plan / --layer-config",
         "report": "report (eval, profile, manifest, run, history JSON)",
         "release": "pull (release.json from a store)",

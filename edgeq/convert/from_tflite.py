@@ -16,7 +16,7 @@ from pathlib import Path
 from edgeq.convert.manifest import _commit, _manifest, conversion_result
 from edgeq.convert.options import VERIFY_SAMPLES, ConversionResult, ConvertOptions, Mode, default_output
 from edgeq.convert.verify import _held_targets, _verify
-from edgeq.errors import UsageError
+from edgeq.errors import ConversionError, UsageError
 from edgeq.models.spec import ModelSpec, describe_tflite
 from edgeq.quantize.passes import prepared_float_model
 from edgeq.runtime.interpreter import TFLiteModel
@@ -97,16 +97,31 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
         f"{'16' if wide else '8'}-bit activations, {options.weight_bits}-bit weights"
     )
     tflite = TFLiteModel(model_content=flatbuffer)
-    verification = _verify(
-        tflite, reference, spec, held, options.calib, options.io_type, source, options.min_sqnr_db, outputs,
-        _held_targets(dataset, held, outputs), options.max_drop,
-    )  # fmt: skip
+    try:
+        verification = _verify(
+            tflite, reference, spec, held, options.calib, options.io_type, source, options.min_sqnr_db, outputs,
+            _held_targets(dataset, held, outputs), options.max_drop,
+        )  # fmt: skip
+    except ConversionError as exc:
+        if _free_batch(prepared.content):  # the likeliest cause of float ops left, said in the same line
+            raise type(exc)(
+                f"{exc}. Note: the file's batch dimension is free, so its Reshape targets are computed at run "
+                "time, in float (SHAPE ops): export it with a fixed batch of 1"
+            ) from exc
+        raise
     run = {"source": source, "is_qat": False, "ptq": None, "seconds": seconds, "model": None}
     manifest = _manifest(
         out, flatbuffer, tflite, spec, options, outputs, dataset, options.calib, verification, notes, run
     )
     _commit(out, flatbuffer, manifest, notes, False)
     return conversion_result(out, flatbuffer, manifest, spec, seconds, verification, False, notes)
+
+
+def _free_batch(content: bytes) -> bool:
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    desc = verify_tflite(content, "the float model")
+    return any(desc.main.tensors[i].dynamic for i in desc.main.inputs)
 
 
 def _described(reference: TFLiteModel, path: Path) -> ModelSpec:

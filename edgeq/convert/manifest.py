@@ -52,7 +52,7 @@ def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spe
         "input_rounding": INPUT_ROUNDING,
         "num_classes": _num_classes(outputs),
         # a detector: which heads, in which layout, decoded and NMS'd outside the int8 graph (edgeq.tasks.detection)
-        "detection": _detection_record(outputs, dataset),
+        "detection": _detection_record(outputs, dataset, options.task),
         "source": {
             "path": str(source_path) if source_path else None,
             "sha256": sha256_file(source_path) if source_path else None,

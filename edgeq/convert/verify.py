@@ -217,12 +217,13 @@ def _count(x) -> int:
     return len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
 
 
-def _detection_record(outputs, dataset) -> dict | None:
+def _detection_record(outputs, dataset, task_spec: str | None = None) -> dict | None:
+    """What the manifest records of a detector (heads, layout, classes, decoder): a device decodes with it."""
     from dataclasses import replace
 
-    from edgeq.tasks.detection import detection_spec_of
+    from edgeq.tasks.detection import declared_detection, detection_spec_of
 
-    spec = detection_spec_of(outputs)
+    spec = detection_spec_of(outputs, declared_detection(task_spec))
     if spec is None:
         return None
     names = tuple(getattr(dataset, "class_names", ()) or ()) if dataset is not None else ()

@@ -136,7 +136,7 @@ def evaluate(
     ref, matching = _matched(names, got, ref, reference)
     specs = described.judged_with(reference_spec).tasks(task_spec, _targets(dataset, names))
     rows, primary, verdicts = _scored(specs, ref, got, dataset, split, x, max_drop_pp, model)
-    detection = _detection(specs, ref, got, dataset, split, model, max_drop_pp)
+    detection = _detection(specs, ref, got, dataset, split, model, max_drop_pp, task_spec)
     if detection is not None:  # a detector is judged by its mAP@0.5, both heads together
         primary = {
             "worse_by": detection["worse_by"],
@@ -259,19 +259,30 @@ def _verdict(spec: OutputSpec, ref, got, dataset, split: str, x, outputs: int, b
         raise NothingJudged(f"--max-drop {budget:g}: {exc}") from None
 
 
-def _detection(specs, ref: dict, got: dict, dataset, split: str, model: Path, budget: float | None) -> dict | None:
+def _detection(
+    specs, ref: dict, got: dict, dataset, split: str, model: Path, budget: float | None, task_spec: str | None = None
+) -> dict | None:
     """mAP@0.5 and mAP@0.5:0.95 of both models' decoded detections (pycocotools), and the verdict on
     mAP@0.5 (points worse, n images, paired bootstrap interval over images); None when the model is no
     detector or the data has no boxes."""
     from edgeq.runtime.inputs import detection_beside
-    from edgeq.tasks.detection import DetectionSpec, ResampledMap50, decode, detection_spec_of, mean_average_precision
+    from edgeq.tasks.detection import (
+        DetectionSpec,
+        ResampledMap50,
+        declared_detection,
+        decode,
+        detection_spec_of,
+        mean_average_precision,
+    )
 
-    spec = detection_spec_of(specs)
+    # the task file's declaration, else what the conversion recorded, else the heads' shapes
+    spec = declared_detection(task_spec)
+    recorded = detection_beside(model)
+    if spec is None and recorded is not None:
+        spec = DetectionSpec.from_dict(recorded, f"{model}'s manifest")
+    spec = spec or detection_spec_of(specs)
     if spec is None:
         return None
-    recorded = detection_beside(model)
-    if recorded is not None:
-        spec = DetectionSpec.from_dict(recorded)
     truth = dataset.targets(split, "gt_boxes"), dataset.targets(split, "gt_classes")
     if truth[0] is None or truth[1] is None:
         return None

@@ -7,7 +7,9 @@ the device alike. Two layouts:
 - ``centre`` (edgeq's zoo detector): on an S x S grid, ``scores`` (S, S, K) are per-class
   sigmoid centre probabilities and ``boxes`` (S, S, 4) are sigmoid (dy, dx, h, w): the object's
   centre within its cell and its size as a fraction of the image;
-- ``plain``: ``boxes`` (A, 4) as (ymin, xmin, ymax, xmax) in [0, 1] and ``scores`` (A, K).
+- ``plain``: ``boxes`` (A, 4) as (ymin, xmin, ymax, xmax) in [0, 1] and ``scores`` (A, K);
+- ``ssd`` and ``yolo``, the detectors people download (``edgeq.tasks.detectors``), declared with
+  their anchors or format in the task file (``--task spec.json``: ``{"detection": {...}}``).
 
 Ground truth is ``gt_boxes`` (N, M, 4) in the same normalised (ymin, xmin, ymax, xmax) and
 ``gt_classes`` (N, M), -1 where a row is padding. mAP comes from pycocotools (host side).
@@ -25,7 +27,7 @@ from edgeq.errors import DataError, MissingExtraError, UsageError
 # A detector's ground truth in data files: normalised corners (N, M, 4) and classes (N, M), -1 unused.
 GROUND_TRUTH = ("gt_boxes", "gt_classes")
 
-LAYOUTS = ("centre", "plain")
+LAYOUTS = ("centre", "plain", "ssd", "yolo")
 SCORE_THRESHOLD = 0.05  # detections below this are not kept (COCO evaluation takes the top 100 per image)
 IOU_THRESHOLD = 0.5
 MAX_DETECTIONS = 100
@@ -40,32 +42,72 @@ class DetectionSpec:
     layout: str = "centre"
     classes: int = 0
     class_names: tuple[str, ...] = field(default_factory=tuple)
+    # ssd: {"anchors": SsdAnchors, "coder": SsdCoder} as dicts; yolo: YoloFormat's dict (edgeq.tasks.detectors)
+    decoder: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
+        found = {
             "boxes": self.boxes,
             "scores": self.scores,
             "layout": self.layout,
             "classes": self.classes,
             "class_names": list(self.class_names),
         }
+        return {**found, "decoder": self.decoder} if self.decoder else found
 
     @classmethod
-    def from_dict(cls, d: dict) -> DetectionSpec:
-        return cls(
-            str(d.get("boxes", "boxes")),
-            str(d.get("scores", "scores")),
-            str(d.get("layout", "centre")),
-            int(d.get("classes", 0)),
-            tuple(d.get("class_names") or ()),
-        )
+    def from_dict(cls, d: dict, where: str = "the detection spec") -> DetectionSpec:
+        layout = str(d.get("layout", "centre"))
+        if layout not in LAYOUTS:
+            raise UsageError(f"{where}: unknown detection layout {layout!r}; edgeq decodes: {', '.join(LAYOUTS)}")
+        decoder = d.get("decoder") or {k: d[k] for k in ("anchors", "coder", "yolo") if k in d}
+        try:
+            spec = cls(
+                str(d.get("boxes", "boxes")),
+                str(d.get("scores", d.get("boxes", "scores") if layout == "yolo" else "scores")),
+                layout,
+                int(d.get("classes", 0)),
+                tuple(str(n) for n in d.get("class_names") or ()),
+                dict(decoder) if isinstance(decoder, dict) else {},
+            )
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{where}: classes is a whole number, class_names a list ({str(exc)[:80]})") from None
+        spec.checked(where)
+        return spec
+
+    def checked(self, where: str) -> None:
+        """An ssd spec has its anchors and coder, a yolo spec its format: refused here, in one line, if not."""
+        from edgeq.tasks.detectors import SsdAnchors, SsdCoder, YoloFormat
+
+        if self.layout == "ssd":
+            if "anchors" not in self.decoder:
+                raise UsageError(f'{where}: an ssd detector needs its anchor config: "anchors": {{...}}')
+            SsdAnchors.from_dict(self.decoder["anchors"], where)
+            SsdCoder.from_dict(self.decoder.get("coder") or {}, where)
+        elif self.layout == "yolo":
+            YoloFormat.from_dict({"classes": self.classes, **(self.decoder.get("yolo") or {})}, where)
 
 
-def detection_spec_of(specs) -> DetectionSpec | None:
+def declared_detection(task_spec: str | None) -> DetectionSpec | None:
+    """The detector a task file declares (``{"detection": {"layout": "ssd", ...}}``); None if none."""
+    from edgeq.tasks.table import task_file
+
+    data = task_file(task_spec)
+    if data is None or "detection" not in data:
+        return None
+    if not isinstance(data["detection"], dict):
+        raise UsageError(f'{task_spec}: "detection" is an object: boxes, scores, layout, classes, anchors ...')
+    return DetectionSpec.from_dict(data["detection"], str(task_spec))
+
+
+def detection_spec_of(specs, declared: DetectionSpec | None = None) -> DetectionSpec | None:
     """The DetectionSpec of outputs (edgeq.tasks.table.OutputSpec) that include a box and a score head; else None.
 
-    A box head of (S, S, 4) is the ``centre`` layout, one of (A, 4) the ``plain`` one.
+    A declared one (the task file's) wins. A box head of (S, S, 4) is the ``centre`` layout, one of
+    (A, 4) the ``plain`` one.
     """
+    if declared is not None:
+        return declared
     boxes_heads = [s for s in specs if s.kind == "detection_boxes"]
     score_heads = [s for s in specs if s.kind == "detection_scores"]
     if not boxes_heads or not score_heads:
@@ -166,8 +208,29 @@ def decode(spec: DetectionSpec, outputs: dict[str, np.ndarray], **kwargs) -> lis
         if name not in outputs:
             raise DataError(f"the detector has no output {name!r} (it has {', '.join(outputs)})")
     boxes, scores = np.asarray(outputs[spec.boxes]), np.asarray(outputs[spec.scores])
+    if spec.layout in ("ssd", "yolo"):
+        return _decode_downloaded(spec, boxes, scores, **kwargs)
     one = decode_centre if spec.layout == "centre" else decode_plain
     return [one(boxes[i], scores[i], **kwargs) for i in range(len(boxes))]
+
+
+def _decode_downloaded(spec: DetectionSpec, boxes: np.ndarray, scores: np.ndarray, **kwargs) -> list[Detections]:
+    """An ssd or yolo detector's batch: boxes against the anchors (or the YOLO tensor), then as ``plain``."""
+    from edgeq.tasks.detectors import SsdAnchors, SsdCoder, YoloFormat, ssd_anchors, ssd_boxes, ssd_scores, yolo_decoded
+
+    found = []
+    if spec.layout == "ssd":
+        anchors = ssd_anchors(SsdAnchors.from_dict(spec.decoder["anchors"]))
+        coder = SsdCoder.from_dict(spec.decoder.get("coder") or {})
+        for i in range(len(boxes)):
+            decoded = ssd_boxes(boxes[i].reshape(len(anchors), -1), anchors, coder)
+            found.append(decode_plain(decoded, ssd_scores(scores[i].reshape(len(anchors), -1), coder), **kwargs))
+        return found
+    fmt = YoloFormat.from_dict({"classes": spec.classes, **(spec.decoder.get("yolo") or {})})
+    for i in range(len(boxes)):
+        decoded, class_scores = yolo_decoded(boxes[i], fmt)
+        found.append(decode_plain(decoded, class_scores, **kwargs))
+    return found
 
 
 def encode_centre(

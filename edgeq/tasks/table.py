@@ -204,19 +204,43 @@ def infer_kind(
     return "other"
 
 
+def task_file(spec: str | None) -> dict | None:
+    """A --task JSON file's object ({"NAME": "KIND", "detection": {...}}); None where --task is no file."""
+    if not spec:
+        return None
+    text = str(spec).strip()
+    if not (text.endswith(".json") or Path(text).is_file()):
+        return None
+    try:
+        data = json.loads(Path(text).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f'{text}: not a readable task file ({exc}); write {{"output name": "kind"}}') from exc
+    if not isinstance(data, dict):
+        raise UsageError(f'{text}: a task file maps output names to kinds, e.g. {{"scores": "binary"}}')
+    return data
+
+
+def _declared_heads(detection) -> dict[str, str]:
+    """The kinds a task file's "detection" object gives its heads (a YOLO tensor is its own score head)."""
+    if not isinstance(detection, dict):
+        return {}
+    boxes = str(detection.get("boxes", "boxes"))
+    scores = detection.get("scores")
+    if scores is None or str(scores) == boxes:
+        return {boxes: "detection_boxes"}
+    return {boxes: "detection_boxes", str(scores): "detection_scores"}
+
+
 def load_task_spec(spec: str | None, output_names: list[str]) -> dict[str, str]:
-    """``--task``: one kind for a one-output model, ``NAME=KIND,...``, or a JSON file ``{"NAME": "KIND"}``."""
+    """``--task``: one kind for a one-output model, ``NAME=KIND,...``, or a JSON file ``{"NAME": "KIND"}``
+    (with ``"detection": {...}``, a detector's heads, layout and decoder: edgeq.tasks.detection)."""
     if not spec:
         return {}
     text = str(spec).strip()
-    if text.endswith(".json") or Path(text).is_file():
-        try:
-            data = json.loads(Path(text).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise UsageError(f'{text}: not a readable task file ({exc}); write {{"output name": "kind"}}') from exc
-        if not isinstance(data, dict):
-            raise UsageError(f'{text}: a task file maps output names to kinds, e.g. {{"scores": "binary"}}')
-        pairs = {str(k): str(v) for k, v in data.items()}
+    data = task_file(text)
+    if data is not None:
+        pairs = {str(k): str(v) for k, v in data.items() if k != "detection"}
+        pairs = {**_declared_heads(data.get("detection")), **pairs}
     elif text == "detection":
         pairs = detection_pair(output_names)
     elif "=" in text:
