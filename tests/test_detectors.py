@@ -177,3 +177,30 @@ def test_a_bad_detector_declaration_is_refused_in_one_line(cli, detector_files, 
     assert_one_line_error(
         cli("convert", files["ssd"][0], "--int8-only", "--calib", f"npz:{data}", "--task", bad), "unknown detection"
     )
+
+
+def test_faces_on_real_photos_export_to_coco_and_tfrecord_and_read_back_the_same(cli, tmp_path):
+    """The faces source (a real portrait from matplotlib pasted on scikit-learn's photos, exact boxes)
+    exported as COCO JSON and as Object Detection API TFRecords: edgeq's coco: and tfrecord: sources
+    read back the same images and boxes."""
+    from edgeq.data.sources import load_dataset
+
+    faces = load_dataset("faces:64:30")
+    x, y = faces.split("test")
+    assert faces.class_names == ("face",) and (y["gt_classes"] == 0).any()
+    boxes = y["gt_boxes"][y["gt_classes"] >= 0]
+    sides = boxes[:, 2] - boxes[:, 0]
+    assert sides.min() >= 0.2 - 1 / 64 and sides.max() <= 0.6 + 1 / 64  # 20% to 60% of the side, in whole pixels
+    for fmt, out, source in (
+        ("coco", tmp_path / "faces.json", f"coco:{tmp_path / 'faces.json'}"),
+        ("tfrecord", tmp_path / "faces.tfrecord", f"tfrecord:{tmp_path / 'faces.tfrecord'}"),
+    ):
+        result = cli("data", "export", "faces:64:30", "--split", "test", "--format", fmt, "--out", out)
+        assert result.exit_code == 0, result.output
+        back = load_dataset(source, input_shape=(64, 64, 3))
+        assert back.count("train") + back.count("val") + back.count("test") == len(x)
+        read = np.concatenate([back.split(s)[1]["gt_boxes"] for s in ("train", "val", "test")])
+        kept = np.concatenate([back.split(s)[1]["gt_classes"] for s in ("train", "val", "test")])
+        np.testing.assert_allclose(np.sort(read[kept >= 0], axis=0), np.sort(boxes, axis=0), atol=1e-4)
+        pixels = np.concatenate([back.split(s)[0] for s in ("train", "val", "test")])
+        np.testing.assert_allclose(np.sort(pixels.sum(axis=(1, 2, 3))), np.sort(x.sum(axis=(1, 2, 3))), rtol=1e-5)

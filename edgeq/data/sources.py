@@ -262,6 +262,10 @@ def load_dataset(
         return load_diabetes_dataset()
     if source == "machine-sound" or source.startswith("machine-sound:"):
         return load_machine_sound(source)
+    if source == "faces" or source.startswith("faces:"):
+        from edgeq.data.faces import load_faces
+
+        return load_faces(source)
     if source == "shapes" or source.startswith("shapes:"):
         return load_shapes(source)
     if source.startswith("synthetic:"):
