@@ -175,3 +175,35 @@ def test_eval_matches_a_hand_converted_models_outputs_with_the_keras_reference(c
         expected = "the one output" if name == "one" else "matched by shape"
         assert expected in record["matching"] and expected in result.output
         assert len(record["outputs"]) == len(heads)
+
+
+def test_an_old_schema_file_and_its_input_range(cli, float_files, tmp_path):
+    """MediaPipe's 2020 files name each op only in deprecated_builtin_code (builtin_code 0, ADD): edgeq
+    gives each op both before LiteRT Quantizer reads them, or a CONV_2D filter is quantized as an ADD's
+    input and LiteRT refuses the model. --input-range records what 8-bit images are in the model's units."""
+    import flatbuffers
+
+    from edgeq.runtime.flatbuffer import schema
+    from edgeq.runtime.inputs import manifest_beside
+
+    s = schema()
+    model = s.ModelT.InitFromPackedBuf(float_files["one", "float16"].read_bytes(), 0)
+    for code in model.operatorCodes:
+        code.deprecatedBuiltinCode, code.builtinCode = max(code.builtinCode, code.deprecatedBuiltinCode), 0
+    builder = flatbuffers.Builder(1 << 20)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    old = tmp_path / "old_schema.tflite"
+    old.write_bytes(bytes(builder.Output()))
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    np.savez(tmp_path / "raw.npz", x=(digits.images * 255 / 16).astype(np.uint8)[..., None], y=digits.target)
+    out = tmp_path / "q.tflite"
+    calib = f"npz:{tmp_path / 'raw.npz'}"
+    result = cli("convert", old, "--int8-only", "--calib", calib, "--input-range", "0:1", "--out", out)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(manifest_beside(out).read_text())
+    assert manifest["verification"]["passed"]
+    assert manifest["normalization"]["offset"] == 0.0 and manifest["normalization"]["scale"] == pytest.approx(1 / 255)
+    assert_one_line_error(cli("convert", old, "--int8-only", "--calib", calib, "--input-range", "1:0"), "HI")
+    assert_one_line_error(cli("convert", old, "--int8-only", "--calib", "digits", "--input-range", "0:1"), "own units")

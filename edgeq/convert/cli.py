@@ -57,6 +57,12 @@ def _mode_options(func):
     help="Fix the free (None) dimensions of a fully convolutional model's input(s), e.g. 240x320x3.",
 )
 @click.option(
+    "--input-range",
+    metavar="LO:HI",
+    help="For a float .tflite: the float range its input takes 8-bit images (0..255) to, e.g. -1:1 for MediaPipe's "
+    "models, 0:1, 0:255. Recorded in the manifest: eval and profile read raw images in these units.",
+)
+@click.option(
     "--task",
     metavar="KIND|NAME=KIND,...|FILE.json",
     help="What each output is: classification, binary, multilabel, regression, reconstruction or other "
@@ -148,6 +154,7 @@ def convert(
     seed,
     weight_bits,
     input_shape,
+    input_range,
     task,
     max_drop,
 ):
@@ -179,6 +186,7 @@ def convert(
         weight_bits=int(weight_bits),
         ptq_target_db=ptq_target,
         input_shape=input_shape,
+        input_range=input_range,
         task=task,
         max_drop=max_drop,
     )

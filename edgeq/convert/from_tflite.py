@@ -9,6 +9,7 @@ source model (QAT, graph transforms, the TFLite converter's options) is refused 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from edgeq.convert.verify import _held_targets, _verify
 from edgeq.errors import ConversionError, UsageError
 from edgeq.models.spec import ModelSpec, describe_tflite
 from edgeq.quantize.passes import prepared_float_model
+from edgeq.runtime.inputs import Normalization
 from edgeq.runtime.interpreter import TFLiteModel
 
 MODES = (Mode.INT8_ONLY, Mode.INT16X8)
@@ -79,7 +81,15 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     out = Path(out) if out else default_output(path, spec.mode)
     if out.suffix != ".tflite" or out.resolve() == path.resolve():
         raise UsageError(f"{out}: the output must end in .tflite and not overwrite the float model")
-    dataset = load_dataset(options.calib, source.input_shape, labels_required=False)
+    normalization = input_range(options.input_range)
+    source = replace(source, normalization=normalization)
+    dataset = load_dataset(options.calib, source.input_shape, labels_required=False, normalization=normalization)
+    if normalization is not None and dataset.normalization != normalization:
+        raise UsageError(
+            f"--input-range {options.input_range}: --calib {options.calib} is in its own units (scale "
+            f"{dataset.normalization.scale:g}, offset {dataset.normalization.offset:g}); the range applies to 8-bit "
+            "images: faces, shapes, images:DIR, coco:, tfrecord: or an .npz of uint8 x"
+        )
     dataset.check_fits(source.input_shape, where=f"model {path}")
     dataset.check_finite()
     outputs = source.tasks(options.task, task_targets(dataset, source.output_names))
@@ -115,6 +125,19 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     )
     _commit(out, flatbuffer, manifest, notes, False)
     return conversion_result(out, flatbuffer, manifest, spec, seconds, verification, False, notes)
+
+
+def input_range(text: str | None) -> Normalization | None:
+    """--input-range LO:HI as the normalisation of 8-bit images: LO at 0, HI at 255."""
+    if not text:
+        return None
+    try:
+        low, high = (float(v) for v in str(text).split(":"))
+    except ValueError:
+        raise UsageError(f"--input-range {text!r}: write LO:HI, e.g. -1:1 or 0:1") from None
+    if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
+        raise UsageError(f"--input-range {text!r}: HI must be above LO")
+    return Normalization(scale=(high - low) / 255.0, offset=low, raw_max=255.0)
 
 
 def _free_batch(content: bytes) -> bool:

@@ -177,6 +177,8 @@ class ConvertOptions:
     seed: int = 0  # stochastic rounding's and AdaRound's seed (recorded in the manifest)
     ptq_target_db: float | None = None  # --ptq auto stops at the first candidate this good; None: min_sqnr_db
     input_shape: str | None = None  # --input-shape HxWxC (or NAME=HxWxC,...): fixes a fully convolutional input
+    # --input-range LO:HI, for a .tflite: the float range its input takes 8-bit images to (MediaPipe: -1:1)
+    input_range: str | None = None
     task: str | None = None  # --task KIND | NAME=KIND,... | tasks.json: what each output is (else inferred)
     # --max-drop: outputs with a task metric are verified by it on labelled held-out samples (Verdict), not SQNR
     max_drop: float | None = None

@@ -41,6 +41,8 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         from edgeq.convert.from_tflite import convert_float_tflite
 
         return convert_float_tflite(Path(model), out, options)
+    if options.input_range:
+        raise UsageError("--input-range is for a float .tflite; a Keras model's run records its own (run.json)")
     spec, calib_samples, plan = options.spec, options.calib_samples, options.plan
     notes: list[str] = []
     keras_model, reference_model, source, is_qat = _source(model, options, notes)

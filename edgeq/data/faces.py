@@ -113,8 +113,9 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> float:
     return max(0.0, bottom - top) * max(0.0, right - left)
 
 
-def load_faces(spec: str = "faces"):
-    """``faces[:SIZE[:N]]``: N (1500) images of SIZE (128) pixels, faces pasted on real photos, exact boxes."""
+def load_faces(spec: str = "faces", normalization=None):
+    """``faces[:SIZE[:N]]``: N (1500) images of SIZE (128) pixels, faces pasted on real photos, exact boxes;
+    in ``normalization``'s units when a model records one (0..1 otherwise)."""
     from edgeq.data.splits import _make
     from edgeq.runtime.inputs import UINT8_IMAGES
 
@@ -127,4 +128,4 @@ def load_faces(spec: str = "faces"):
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little"))
     images, boxes, classes = paste_faces(size, n, rng)
     y = {"gt_boxes": boxes, "gt_classes": classes}
-    return _make(spec, images, y, UINT8_IMAGES, num_classes=1, class_names=FACE_CLASSES)
+    return _make(spec, images, y, normalization or UINT8_IMAGES, num_classes=1, class_names=FACE_CLASSES)

@@ -190,7 +190,7 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> float:
     return float(iou(a, b[None])[0])
 
 
-def load_shapes(spec: str = "shapes") -> Dataset:
+def load_shapes(spec: str = "shapes", normalization: Normalization | None = None) -> Dataset:
     """``shapes[:SIZE[:N]]``: object detection without a download: N (2400) images of SIZE (96) pixels,
     crops of scikit-learn's real photos with circles, squares and triangles drawn on, exact boxes.
 
@@ -205,7 +205,8 @@ def load_shapes(spec: str = "shapes") -> Dataset:
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little"))
     images, boxes, classes = draw_shapes(size, n, rng)
     y = {"gt_boxes": boxes, "gt_classes": classes}
-    return _make(spec, images, y, UINT8_IMAGES, num_classes=len(SHAPE_CLASSES), class_names=SHAPE_CLASSES)
+    norm = normalization or UINT8_IMAGES  # a model's own units where it records them
+    return _make(spec, images, y, norm, num_classes=len(SHAPE_CLASSES), class_names=SHAPE_CLASSES)
 
 
 _SYNTH = re.compile(r"^synthetic:(\d+)x(\d+)x(\d+):(\d+)(?::(\d+))?$")
@@ -265,9 +266,9 @@ def load_dataset(
     if source == "faces" or source.startswith("faces:"):
         from edgeq.data.faces import load_faces
 
-        return load_faces(source)
+        return load_faces(source, normalization)
     if source == "shapes" or source.startswith("shapes:"):
-        return load_shapes(source)
+        return load_shapes(source, normalization)
     if source.startswith("synthetic:"):
         return load_synthetic(source)
     if source.startswith("npz:") or source.endswith(".npz"):

@@ -380,6 +380,19 @@ def _drop_unused_tensors(model, graph, candidates: set[int]) -> None:
                 entry.tensorIndex = new_index[int(entry.tensorIndex)]
 
 
+def _modern_op_codes(model) -> int:
+    """Files of the old schema (MediaPipe's, 2020) name each op in ``deprecated_builtin_code`` only and
+    leave ``builtin_code`` 0 (ADD): LiteRT Quantizer reads ``builtin_code``, and would quantize a
+    CONV_2D's filter as an ADD's input. Each code gets both, as the current schema writes them."""
+    fixed = 0
+    for code in model.operatorCodes or []:
+        real = max(code.builtinCode, code.deprecatedBuiltinCode)
+        if code.builtinCode != real:
+            code.builtinCode, fixed = real, fixed + 1
+        code.deprecatedBuiltinCode = min(real, 127)  # the schema's PLACEHOLDER_FOR_GREATER_OP_CODES
+    return fixed
+
+
 def _add_signature(model, s) -> bool:
     if model.signatureDefs:
         return False
@@ -419,8 +432,9 @@ def prepared_float_model(content: bytes, where: str) -> Prepared:
     if len(model.subgraphs) > 1 and not model.signatureDefs:
         raise ModelLoadError(f"{where}: {len(model.subgraphs)} subgraphs and no signature: say which one to quantize")
     _check_float(model, s, where)
+    codes = _modern_op_codes(model)
     float16 = _float16_to_float32(model, s)
     added = _add_signature(model, s)
-    if not float16 and not added:
+    if not float16 and not added and not codes:
         return Prepared(content, 0, False)
     return Prepared(_packed(model, len(content) * (2 if float16 else 1)), float16, added)
