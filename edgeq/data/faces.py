@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from pathlib import Path
 
 import numpy as np
 
+from edgeq.data.photos import portrait, sample_photos
 from edgeq.errors import DataError
 
 _FACES = re.compile(r"^faces(?::(\d+))?(?::(\d+))?$")
@@ -25,19 +25,6 @@ FACE_CLASSES = ("face",)
 FACE_BOX = (145, 170, 345, 365)
 HEAD = (105, 135, 385, 400)
 MAX_FACES = 2
-
-
-def portrait() -> np.ndarray:
-    """Grace Hopper's portrait from matplotlib's sample data, uint8 RGB."""
-    try:
-        import matplotlib
-        from PIL import Image
-    except ImportError as exc:
-        raise DataError('the faces source needs matplotlib and Pillow: pip install "edgeq[train,report]"') from exc
-    path = Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"
-    if not path.is_file():
-        raise DataError(f"the faces source needs matplotlib's sample image {path}, which this install lacks")
-    return np.asarray(Image.open(path).convert("RGB"))
 
 
 def _feathered(height: int, width: int) -> np.ndarray:
@@ -51,8 +38,6 @@ def _feathered(height: int, width: int) -> np.ndarray:
 def paste_faces(size: int, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``count`` images of size x size with one or two faces each (face side 20% to 60% of the image)."""
     from PIL import Image
-
-    from edgeq.data.sources import sample_photos
 
     photos, face = sample_photos(), portrait()
     head = face[HEAD[0] : HEAD[2], HEAD[1] : HEAD[3]]

@@ -16,6 +16,7 @@ from edgeq.data.files import (
     load_npz,
     load_tfrecord,
 )
+from edgeq.data.photos import sample_photos
 from edgeq.data.splits import Dataset, _make
 from edgeq.errors import DataError
 from edgeq.runtime.inputs import UINT8_IMAGES, Normalization
@@ -132,15 +133,6 @@ SHAPE_CLASSES = ("circle", "square", "triangle")
 
 
 MAX_OBJECTS = 8  # ground-truth rows per image (gt_classes -1 where unused)
-
-
-def sample_photos() -> list[np.ndarray]:
-    """scikit-learn's two sample photos (china.jpg, flower.jpg), uint8 RGB: real backgrounds offline."""
-    try:
-        from sklearn.datasets import load_sample_images
-    except ImportError as exc:
-        raise DataError('the shapes source needs scikit-learn: pip install "edgeq[train]"') from exc
-    return [np.asarray(img, dtype=np.uint8) for img in load_sample_images().images]
 
 
 def draw_shapes(size: int, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
