@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-all check bench install clean
+.PHONY: demo test test-all check bench install clean pretrained
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ check: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench.py
+
+# Pretrained float .tflite models that a wheel ships (tools/bench_pretrained.py): the mediapipe
+# 0.10.14 wheel, downloaded once and read as a zip, never installed.
+pretrained: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: "mediapipe==0.10.14" -d .cache/pretrained
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

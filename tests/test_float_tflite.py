@@ -143,7 +143,7 @@ def test_int16x8_and_w4a8_of_a_float_tflite(cli, float_files, tmp_path):
 def test_what_a_tflite_cannot_be_given_is_refused_in_one_line(cli, float_files, tmp_path):
     source = float_files["one", "float32"]
     assert_one_line_error(cli("convert", source, "--int8-only", "--calib", "digits", "--equalize"), "source model")
-    assert_one_line_error(cli("convert", source, "--dynamic"), "--int8-only or --int16x8")
+    assert_one_line_error(cli("convert", source, "--dynamic"), "--int8-only, --int8")
     assert_one_line_error(cli("convert", source, "--int8-only"), "--calib")
     out = tmp_path / "q.tflite"
     assert cli("convert", source, "--int8-only", "--calib", "digits", "--out", out).exit_code == 0

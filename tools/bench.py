@@ -27,6 +27,7 @@ SECTIONS = (
     "mixed",
     "tasks",
     "detection",
+    "pretrained",
     "fleet",
     "precision",
     "analyze",

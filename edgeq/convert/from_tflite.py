@@ -23,7 +23,7 @@ from edgeq.quantize.passes import prepared_float_model
 from edgeq.runtime.inputs import Normalization
 from edgeq.runtime.interpreter import TFLiteModel
 
-MODES = (Mode.INT8_ONLY, Mode.INT16X8)
+MODES = (Mode.INT8_ONLY, Mode.INT8, Mode.INT16X8)
 # What a .tflite cannot be given, and what to bring instead.
 _NEEDS_SOURCE = {
     "equalize": "--equalize changes the float layers",
@@ -38,8 +38,9 @@ def _refused(path: Path, options: ConvertOptions) -> None:
     spec = options.spec
     if spec.mode not in MODES:
         raise UsageError(
-            f"{path}: a float .tflite is quantized by LiteRT Quantizer to --int8-only or --int16x8 "
-            f"(integer inputs and outputs); {spec.mode.value} needs the source model (.keras/.h5/SavedModel)"
+            f"{path}: a float .tflite is quantized by LiteRT Quantizer to --int8-only, --int8 (ops it has no int8 "
+            f"kernel for stay float) or --int16x8, with integer inputs and outputs; {spec.mode.value} needs the "
+            "source model (.keras/.h5/SavedModel)"
         )
     for option, what in _NEEDS_SOURCE.items():
         if getattr(options, option):
@@ -69,8 +70,9 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     from edgeq.quantize.mixed import calibrate_float, op_names
 
     _refused(path, options)
-    # LiteRT Quantizer's models are integer-only with int8 inputs and outputs, --int16x8's too
-    spec, notes = replace(options.spec, integer_io=True, integer_only=True), []
+    # LiteRT Quantizer's models have int8 inputs and outputs; --int8 lets the ops it has no int8 kernel for
+    # (PRELU) stay float between DEQUANTIZE and QUANTIZE, --int8-only and --int16x8 refuse them
+    spec, notes = replace(options.spec, integer_io=True, integer_only=options.spec.mode != Mode.INT8), []
     prepared = prepared_float_model(path.read_bytes(), str(path))
     if prepared.float16_constants:
         notes.append(f"{prepared.float16_constants} float16 constant(s) read as float32 (their DEQUANTIZE ops removed)")
