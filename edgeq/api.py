@@ -139,9 +139,11 @@ def analyze(
 
         return analyze_sensitivity(model, data, samples=samples)
     from edgeq.analyze.plan import make_plan
+    from edgeq.analyze.tflite_plan import make_tflite_plan
 
     out = Path(out) if out else Path(model).with_name("plan.json")
-    return make_plan(model, data, max_drop_pp, out, samples=samples, fallback=fallback)
+    planner = make_tflite_plan if str(model).endswith(".tflite") else make_plan  # a .tflite's plan: its ops
+    return planner(model, data, max_drop_pp, out, samples=samples, fallback=fallback)
 
 
 def profile(

@@ -207,3 +207,29 @@ def test_an_old_schema_file_and_its_input_range(cli, float_files, tmp_path):
     assert manifest["normalization"]["offset"] == 0.0 and manifest["normalization"]["scale"] == pytest.approx(1 / 255)
     assert_one_line_error(cli("convert", old, "--int8-only", "--calib", calib, "--input-range", "1:0"), "HI")
     assert_one_line_error(cli("convert", old, "--int8-only", "--calib", "digits", "--input-range", "0:1"), "own units")
+
+
+def test_analyze_plan_of_a_tflite_names_ops_and_convert_takes_it(cli, float_files, tmp_path):
+    """A .tflite's plan gives ops (named by their first output tensor) 16-bit activations; an unmeetable
+    budget ranks every op, and convert --plan builds the mixed integer-only model from a plan."""
+    from edgeq.quantize.mixed import op_names
+    from edgeq.quantize.passes import prepared_float_model
+    from edgeq.runtime.inputs import manifest_beside
+
+    source = float_files["one", "float32"]
+    result = cli("analyze", "plan", source, "--data", "digits", "--max-drop", "-100", "--fallback", "int16",
+                 "--out", tmp_path / "plan.json")  # fmt: skip
+    assert result.exit_code != 0  # the budget cannot be met: the least-worse plan is written, and the gate fails
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    ops = op_names(prepared_float_model(source.read_bytes(), str(source)).content)
+    assert plan["ranking"] and set(plan["ranking"]) <= set(ops) and plan["met"] is False
+    refused = cli("analyze", "plan", source, "--data", "digits", "--max-drop", "1", "--out", tmp_path / "p.json")
+    assert_one_line_error(refused, "--fallback int16")
+    wide = {"kind": "edgeq.plan", "layers": {ops[0]: {"activation_bits": 16}}}
+    (tmp_path / "wide.json").write_text(json.dumps(wide))
+    out = tmp_path / "mixed.tflite"
+    result = cli("convert", source, "--int8-only", "--plan", tmp_path / "wide.json", "--calib", "digits", "--out", out)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(manifest_beside(out).read_text())
+    assert manifest["verification"]["passed"] and manifest["precision"].get("int16", 0) >= 1
+    assert manifest["precision"].get("float", 0) == 0

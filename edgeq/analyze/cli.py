@@ -229,11 +229,13 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     The best plan is always saved; use it with `edgeq convert MODEL --int8 --plan PLAN`
     (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`."""
     from edgeq.analyze.plan import make_plan, save_frontier_chart
+    from edgeq.analyze.tflite_plan import make_tflite_plan
     from edgeq.errors import QualityGateError
     from edgeq.tasks.verdicts import Verdict
 
+    planner = make_tflite_plan if str(model).endswith(".tflite") else make_plan  # a .tflite's plan: its ops
     with Heartbeat("analyze plan (layers ranked)") as progress:
-        result = make_plan(
+        result = planner(
             model,
             data,
             max_drop,

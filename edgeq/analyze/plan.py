@@ -132,9 +132,9 @@ def _fast_wide_ranking(model, dataset, samples: int, layers: list[str]) -> list[
     return ranked + [name for name in layers if name not in ranked]
 
 
-def _wide_ranking(model, mixed, x, quality, int8_value: float, reference, progress=None) -> list[str]:
+def _wide_ranking(model, mixed, x, quality, int8_value: float, reference, progress=None, cost_of=None) -> list[str]:
     """Layers by what 16-bit activations on that layer alone buy back, then by output error removed per
-    activation value widened."""
+    activation value widened (``cost_of(layer)``: the values; a Keras layer's output size by default)."""
     int8_out = predict(mixed.quantize(), x)
     int8_mse = float(np.mean((int8_out - reference) ** 2))
     rows = []
@@ -142,7 +142,10 @@ def _wide_ranking(model, mixed, x, quality, int8_value: float, reference, progre
         out = predict(mixed.quantize([layer]), x)
         gain = quality.points(quality.value(out), int8_value)
         removed = int8_mse - float(np.mean((out - reference) ** 2))
-        cost = max(1, int(np.prod([d for d in model.get_layer(layer).output.shape[1:] if d])))
+        if cost_of is not None:
+            cost = max(1, int(cost_of(layer)))
+        else:
+            cost = max(1, int(np.prod([d for d in model.get_layer(layer).output.shape[1:] if d])))
         rows.append((layer, round(gain, 4), removed / cost))
         if progress is not None:
             progress(layer)
@@ -230,7 +233,6 @@ def _measurer(model, dataset, x, quality, fallback: str, calibration: tuple, whe
     one plan (the layers it moves to 16 bits or float) quantized and scored. ``seen`` keeps each
     measured plan's outputs, by the layers it moved, for the verdict on the chosen one."""
     samples, per_tensor, ranges = calibration
-    seen: dict[tuple, np.ndarray] = {}
     if fallback == "int16":
         from edgeq.quantize.mixed import calibrate_mixed
 
@@ -239,6 +241,13 @@ def _measurer(model, dataset, x, quality, fallback: str, calibration: tuple, whe
         cal = calibrate(model, dataset, samples, per_tensor, ranges)
         if not cal.nodes:
             raise UsageError(f"{where}: the converter quantized no layer: there is nothing to plan")
+    return (cal, *measuring(cal, x, quality, fallback))
+
+
+def measuring(cal, x, quality, fallback: str):
+    """The float model's outputs on ``x``, ``measure`` (one plan quantized from ``cal`` and scored),
+    and ``seen``: each measured plan's outputs, by the layers it moved."""
+    seen: dict[tuple, np.ndarray] = {}
     reference = predict(cal.float_model, x)
     fp32_acc = quality.value(reference)
 
@@ -257,7 +266,7 @@ def _measurer(model, dataset, x, quality, fallback: str, calibration: tuple, whe
         seen[point.changed] = out
         return point
 
-    return cal, reference, measure, seen
+    return reference, measure, seen
 
 
 def _ranked_layers(model, dataset, cal, x, quality, search: tuple, frontier, reference, progress, measure):

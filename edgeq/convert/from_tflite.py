@@ -16,6 +16,7 @@ from pathlib import Path
 
 from edgeq.convert.manifest import _commit, _manifest, conversion_result
 from edgeq.convert.options import VERIFY_SAMPLES, ConversionResult, ConvertOptions, Mode, default_output
+from edgeq.convert.plans import _plan_ranges
 from edgeq.convert.verify import _held_targets, _verify
 from edgeq.errors import ConversionError, UsageError
 from edgeq.models.spec import ModelSpec, describe_tflite
@@ -28,7 +29,6 @@ MODES = (Mode.INT8_ONLY, Mode.INT8, Mode.INT16X8)
 _NEEDS_SOURCE = {
     "equalize": "--equalize changes the float layers",
     "bias_correct": "--bias-correct changes the float layers",
-    "plan": "--plan names Keras layers",
     "input_shape": "--input-shape rebuilds the model's inputs",
 }
 
@@ -97,11 +97,11 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     outputs = source.tasks(options.task, task_targets(dataset, source.output_names))
     held = dataset.held_out(VERIFY_SAMPLES if options.max_drop is None else None, select=0)
     started = time.perf_counter()
-    ranges = _ranges(options)
+    ranges = _plan_ranges(options.plan, options.ptq) if options.plan else _ranges(options)
     cal = calibrate_float(
         prepared.content, dataset.calibration_samples(options.calib_samples), op_names(prepared.content), ranges
     )
-    wide = cal.layers if spec.mode == Mode.INT16X8 else ()
+    wide = cal.layers if spec.mode == Mode.INT16X8 else _planned_ops(path, options, cal.layers, notes)
     flatbuffer = cal.quantize(wide, weight_bits=options.weight_bits)
     seconds = time.perf_counter() - started
     notes.append(
@@ -121,7 +121,7 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
                 "time, in float (SHAPE ops): export it with a fixed batch of 1"
             ) from exc
         raise
-    run = {"source": source, "is_qat": False, "ptq": None, "seconds": seconds, "model": None}
+    run = {"source": source, "is_qat": False, "ptq": None, "seconds": seconds, "model": None, "wide": list(wide)}
     manifest = _manifest(
         out, flatbuffer, tflite, spec, options, outputs, dataset, options.calib, verification, notes, run
     )
@@ -140,6 +140,26 @@ def input_range(text: str | None) -> Normalization | None:
     if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
         raise UsageError(f"--input-range {text!r}: HI must be above LO")
     return Normalization(scale=(high - low) / 255.0, offset=low, raw_max=255.0)
+
+
+def _planned_ops(path: Path, options: ConvertOptions, ops: list[str], notes: list[str]) -> list[str]:
+    """The ops --plan (analyze plan of this .tflite) puts at 16-bit activations; [] without a plan."""
+    if not options.plan:
+        return []
+    from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
+
+    resolved = LayerConfig.load(options.plan).resolve(ops, LayerPrecision())
+    other = [n for n, p in resolved.items() if p.keep_float or p.weight_bits != 8]
+    if other:
+        raise UsageError(
+            f"{options.plan} keeps {', '.join(other[:3])} float or at other weight bits: a .tflite's plan gives ops "
+            "16-bit activations only (edgeq analyze plan X.tflite --fallback int16)"
+        )
+    wide = [n for n, p in resolved.items() if p.activation_bits == 16]
+    if wide and options.spec.mode != Mode.INT8_ONLY:
+        raise UsageError(f"{options.plan} puts {len(wide)} op(s) at 16-bit activations: convert it with --int8-only")
+    notes.append(f"plan {options.plan}: {len(wide)} op(s) at 16-bit activations, every other one int8")
+    return wide
 
 
 def _free_batch(content: bytes) -> bool:

@@ -75,7 +75,8 @@ def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spe
         "ops": op_counts,
         # ops by what they compute in (QUANTIZE ops counted by their output): int8, int16 (16x8), float
         "precision": precision_counts(verify_tflite(flatbuffer, "the converted model")),
-        "wide_layers": _plan_wide_layers(keras_model, plan) if plan else [],
+        # a Keras model's layers at 16 bits by its plan; a .tflite's ops (convert.from_tflite gives them)
+        "wide_layers": run.get("wide") or (_plan_wide_layers(keras_model, plan) if plan and keras_model else []),
         "verification": asdict(verification),
         "convert_seconds": round(seconds, 3),
         "notes": notes,

@@ -152,7 +152,7 @@ def op_names(float_model: bytes) -> list[str]:
     first = (
         next((tensors[i].name for i in op.outputs if i >= 0 and tensors[i].name), "") for op in desc.main.operators
     )
-    return list(dict.fromkeys(n for n in first if n))
+    return list(dict.fromkeys(n.split(";")[0] for n in first if n))  # a fused op's name: its first part
 
 
 def calibrate_float(float_model: bytes, samples, layer_names: list[str], ranges: str = "minmax") -> MixedCalibration:
