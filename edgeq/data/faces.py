@@ -10,15 +10,10 @@ photos that ship with scikit-learn. The pasted face box is the ground truth, exa
 
 from __future__ import annotations
 
-import hashlib
-import re
-
 import numpy as np
 
-from edgeq.data.photos import portrait, sample_photos
-from edgeq.errors import DataError
+from edgeq.data.photos import generated, portrait, sample_photos
 
-_FACES = re.compile(r"^faces(?::(\d+))?(?::(\d+))?$")
 FACE_CLASSES = ("face",)
 # In grace_hopper.jpg (512 x 600): the face from the forehead below the cap to the chin, cheek to
 # cheek, as (ymin, xmin, ymax, xmax) pixels; and the region cut out around it (hair, ears, collar).
@@ -104,13 +99,7 @@ def load_faces(spec: str = "faces", normalization=None):
     from edgeq.data.splits import _make
     from edgeq.runtime.inputs import UINT8_IMAGES
 
-    m = _FACES.match(spec)
-    if not m:
-        raise DataError(f"bad source {spec!r}: write faces, faces:SIZE or faces:SIZE:N (e.g. faces:128:1500)")
-    size, n = int(m.group(1) or 128), int(m.group(2) or 1500)
-    if size < 32 or n < 10:
-        raise DataError(f"bad source {spec!r}: SIZE must be at least 32 and N at least 10")
-    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little"))
+    size, n, rng = generated(spec, "faces", 128, 1500)
     images, boxes, classes = paste_faces(size, n, rng)
     y = {"gt_boxes": boxes, "gt_classes": classes}
     return _make(spec, images, y, normalization or UINT8_IMAGES, num_classes=1, class_names=FACE_CLASSES)

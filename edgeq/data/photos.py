@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,3 +31,15 @@ def portrait() -> np.ndarray:
     if not path.is_file():
         raise DataError(f"the faces source needs matplotlib's sample image {path}, which this install lacks")
     return np.asarray(Image.open(path).convert("RGB"))
+
+
+def generated(spec: str, name: str, size: int, count: int) -> tuple[int, int, np.random.Generator]:
+    """``NAME[:SIZE[:N]]`` of an image set edgeq draws: its size, count and the generator seeded by the
+    spec itself (the same spec gives the same images anywhere)."""
+    m = re.match(rf"^{re.escape(name)}(?::(\d+))?(?::(\d+))?$", spec)
+    if not m:
+        raise DataError(f"bad source {spec!r}: write {name}, {name}:SIZE or {name}:SIZE:N (e.g. {name}:{size}:{count})")
+    size, count = int(m.group(1) or size), int(m.group(2) or count)
+    if size < 32 or count < 10:
+        raise DataError(f"bad source {spec!r}: SIZE must be at least 32 and N at least 10")
+    return size, count, np.random.default_rng(int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little"))

@@ -16,7 +16,7 @@ from edgeq.data.files import (
     load_npz,
     load_tfrecord,
 )
-from edgeq.data.photos import sample_photos
+from edgeq.data.photos import generated, sample_photos
 from edgeq.data.splits import Dataset, _make
 from edgeq.errors import DataError
 from edgeq.runtime.inputs import UINT8_IMAGES, Normalization
@@ -126,9 +126,6 @@ def load_machine_sound(spec: str = "machine-sound") -> Dataset:
     return _make(spec, x[order].astype(np.float32), y[order], Normalization(), num_classes=2, normalized=True)
 
 
-_SHAPES = re.compile(r"^shapes(?::(\d+))?(?::(\d+))?$")
-
-
 SHAPE_CLASSES = ("circle", "square", "triangle")
 
 
@@ -188,13 +185,7 @@ def load_shapes(spec: str = "shapes", normalization: Normalization | None = None
 
     Ground truth: ``gt_boxes`` (N, 8, 4) normalised (ymin, xmin, ymax, xmax), ``gt_classes`` (N, 8), -1 unused.
     """
-    m = _SHAPES.match(spec)
-    if not m:
-        raise DataError(f"bad source {spec!r}: write shapes, shapes:SIZE or shapes:SIZE:N (e.g. shapes:96:2400)")
-    size, n = int(m.group(1) or 96), int(m.group(2) or 2400)
-    if size < 32 or n < 10:
-        raise DataError(f"bad source {spec!r}: SIZE must be at least 32 and N at least 10")
-    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little"))
+    size, n, rng = generated(spec, "shapes", 96, 2400)
     images, boxes, classes = draw_shapes(size, n, rng)
     y = {"gt_boxes": boxes, "gt_classes": classes}
     norm = normalization or UINT8_IMAGES  # a model's own units where it records them
