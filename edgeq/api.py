@@ -135,11 +135,13 @@ def analyze(
         UsageError: a QAT or multi-output model, or data that cannot score the model.
     """
     if max_drop_pp is None:
+        from edgeq.analyze.from_tflite import analyze_tflite_sensitivity
         from edgeq.analyze.sensitivity import analyze_sensitivity
 
-        return analyze_sensitivity(model, data, samples=samples)
+        ranker = analyze_tflite_sensitivity if str(model).endswith(".tflite") else analyze_sensitivity
+        return ranker(model, data, samples=samples)
+    from edgeq.analyze.from_tflite import make_tflite_plan
     from edgeq.analyze.plan import make_plan
-    from edgeq.analyze.tflite_plan import make_tflite_plan
 
     out = Path(out) if out else Path(model).with_name("plan.json")
     planner = make_tflite_plan if str(model).endswith(".tflite") else make_plan  # a .tflite's plan: its ops

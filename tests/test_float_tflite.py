@@ -209,6 +209,17 @@ def test_an_old_schema_file_and_its_input_range(cli, float_files, tmp_path):
     assert_one_line_error(cli("convert", old, "--int8-only", "--calib", "digits", "--input-range", "0:1"), "own units")
 
 
+def test_analyze_sensitivity_of_a_tflite_ranks_its_ops(cli, float_files, tmp_path):
+    source = float_files["one", "float32"]
+    result = cli("analyze", "sensitivity", source, "--data", "digits", "--json", tmp_path / "s.json")
+    assert result.exit_code == 0, result.output
+    assert "16-bit activations on the op" in result.output
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["metric"] == "accuracy" and len(report["exact"]) >= 3
+    mse = [row["mse_only_this"] for row in report["exact"]]
+    assert mse == sorted(mse, reverse=True) and mse[0] > 0  # most output error first
+
+
 def test_analyze_plan_of_a_tflite_names_ops_and_convert_takes_it(cli, float_files, tmp_path):
     """A .tflite's plan gives ops (named by their first output tensor) 16-bit activations; an unmeetable
     budget ranks every op, and convert --plan builds the mixed integer-only model from a plan."""

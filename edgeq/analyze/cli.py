@@ -124,11 +124,13 @@ _task_option = click.option(
 @_task_option
 def sensitivity(model, data, method, calib_samples, split, granularity, ranges, json_path, plot_path, task):
     """Rank the layers of FP32 MODEL by how much INT8 quantization of each one costs."""
+    from edgeq.analyze.from_tflite import analyze_tflite_sensitivity
     from edgeq.analyze.sensitivity import analyze_sensitivity, save_bar_chart
     from edgeq.artifacts import write_json_atomic
 
+    tflite = str(model).endswith(".tflite")  # a .tflite's ops, each at 16-bit activations or alone int8
     with Heartbeat("analyze sensitivity (layers measured)") as progress:
-        report = analyze_sensitivity(
+        report = (analyze_tflite_sensitivity if tflite else analyze_sensitivity)(
             model, data, method, calib_samples, split, granularity == "per-tensor", progress=progress, ranges=ranges,
             task_spec=task,
         )  # fmt: skip
@@ -159,7 +161,8 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
         )
     if report.exact:
         unit = row.change_label
-        click.echo(f"\nexact ({report.seconds_exact:.1f} s): {row.label} regained by keeping the layer float first")
+        how = "16-bit activations on the op (the rest int8)" if tflite else "keeping the layer float"
+        click.echo(f"\nexact ({report.seconds_exact:.1f} s): {row.label} regained by {how}, most output error first")
         click.echo(
             table(
                 [
@@ -228,8 +231,8 @@ def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fa
     --fallback int16 16-bit activations) until the accuracy drop is within --max-drop.
     The best plan is always saved; use it with `edgeq convert MODEL --int8 --plan PLAN`
     (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`."""
+    from edgeq.analyze.from_tflite import make_tflite_plan
     from edgeq.analyze.plan import make_plan, save_frontier_chart
-    from edgeq.analyze.tflite_plan import make_tflite_plan
     from edgeq.errors import QualityGateError
     from edgeq.tasks.verdicts import Verdict
 

@@ -1,11 +1,12 @@
-"""`analyze plan` of a float .tflite from any framework: which ops get 16-bit activations.
+"""`analyze sensitivity` and `analyze plan` of a float .tflite from any framework, op by op.
 
 A .tflite has ops, not Keras layers: the plan names each op by its first output tensor (as
 ``convert X.tflite --plan`` reads it back). The file is made ready for LiteRT Quantizer and
 calibrated once with edgeq's observers (as ``convert`` does), then the same search as a Keras
 model's ``--fallback int16`` plan: every op int8 first; where that misses the budget, the ops
 ranked by what 16 bits on each alone buys back, and the fewest that meet it. Keeping ops float
-needs the Keras model (``--fallback float`` is refused in one line).
+needs the Keras model (``--fallback float`` is refused in one line). Sensitivity ranks the ops the
+same way: what 16 bits on this op alone buys back (gain), what int8 on this op alone costs (loss).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from edgeq.analyze.plan import (
     _wide_ranking,
     measuring,
 )
-from edgeq.analyze.sensitivity import quality_of
+from edgeq.analyze.sensitivity import ExactSensitivity, SensitivityReport, quality_of
 from edgeq.artifacts import write_json_atomic
 from edgeq.errors import UsageError
+from edgeq.quantize.calibration import predict
 from edgeq.tasks.verdicts import judge
 
 
@@ -64,20 +66,15 @@ def _checked(path: Path, int4: bool, per_tensor: bool, fallback: str) -> None:
         raise UsageError(f"{path}: --int4 and --granularity per-tensor plan Keras layers; give --fallback int16 alone")
 
 
-def make_tflite_plan(
-    model_path, data: str, max_drop_pp: float, out: str | Path, samples: int = 200, split: str = "val",
-    per_tensor: bool = False, progress=None, int4: bool = False, ranges: str = "minmax",
-    task_spec: str | None = None, fallback: str = "int16",
-) -> PlanResult:  # fmt: skip
-    """``make_plan`` for a float .tflite: the fewest ops at 16-bit activations that meet ``max_drop_pp``."""
+def _loaded(path: Path, data: str, split: str, samples: int, ranges: str, task_spec: str | None):
+    """The file made ready for LiteRT Quantizer, its ModelSpec, the data, the split's samples, the
+    quality that scores them, and the file calibrated once (as convert calibrates it)."""
     from edgeq.data.sources import load_dataset
     from edgeq.models.spec import describe_tflite
     from edgeq.quantize.mixed import calibrate_float, op_names
     from edgeq.quantize.passes import prepared_float_model
     from edgeq.runtime.interpreter import TFLiteModel
 
-    start, path = time.perf_counter(), Path(model_path)
-    _checked(path, int4, per_tensor, fallback)
     prepared = prepared_float_model(path.read_bytes(), str(path))
     float_model = TFLiteModel(model_content=prepared.content)
     described = describe_tflite(float_model, path)
@@ -90,9 +87,59 @@ def make_tflite_plan(
     dataset.check_fits(described.input_shape, where=f"model {path}")
     x, _ = dataset.split(split)
     if len(x) == 0:
-        raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")
+        raise UsageError(f"data {data!r} has no {split} samples to measure on; use another --split")
     quality = quality_of(_FloatAnswers(float_model), described, dataset, split, task_spec)
     cal = calibrate_float(prepared.content, dataset.calibration_samples(samples), op_names(prepared.content), ranges)
+    return prepared, described, dataset, x, quality, cal
+
+
+def analyze_tflite_sensitivity(
+    model_path, data: str, method: str = "both", samples: int = 200, split: str = "test", per_tensor: bool = False,
+    progress=None, ranges: str = "minmax", task_spec: str | None = None,
+) -> SensitivityReport:  # fmt: skip
+    """Each op of a float .tflite: its task metric with every other op int8 and it at 16 bits (gain), and
+    with only it int8 and the rest at 16 bits (loss, output MSE), most output error first."""
+    path = Path(model_path)
+    if per_tensor:
+        raise UsageError(f"{path}: --granularity per-tensor analyzes Keras layers; a .tflite's ops are per-channel")
+    start = time.perf_counter()
+    prepared, described, dataset, x, quality, cal = _loaded(path, data, split, samples, ranges, task_spec)
+    reference = predict(cal.float_model, x)
+    fp32, every = quality.value(reference), list(cal.layers)
+    int8 = quality.value(predict(cal.quantize(), x))
+    rows = []
+    for op in every if method in ("exact", "both") else ():
+        t = time.perf_counter()
+        widened = quality.value(predict(cal.quantize([op]), x))
+        alone = predict(cal.quantize([o for o in every if o != op]), x)
+        rows.append(
+            ExactSensitivity(
+                op,
+                1,
+                widened,
+                quality.value(alone),
+                float(np.mean((alone - reference) ** 2)),
+                round(quality.points(widened, int8), 4),
+                round(quality.points(fp32, quality.value(alone)), 4),
+                round(time.perf_counter() - t, 3),
+            )  # fmt: skip
+        )
+        if progress is not None:
+            progress(op)
+    rows.sort(key=lambda r: -r.mse_only_this)
+    return SensitivityReport(str(path), f"{data} ({split})", len(x), fp32, int8, (), tuple(rows), 0.0,
+                             round(time.perf_counter() - start, 3), ranges, quality.metric)  # fmt: skip
+
+
+def make_tflite_plan(
+    model_path, data: str, max_drop_pp: float, out: str | Path, samples: int = 200, split: str = "val",
+    per_tensor: bool = False, progress=None, int4: bool = False, ranges: str = "minmax",
+    task_spec: str | None = None, fallback: str = "int16",
+) -> PlanResult:  # fmt: skip
+    """``make_plan`` for a float .tflite: the fewest ops at 16-bit activations that meet ``max_drop_pp``."""
+    start, path = time.perf_counter(), Path(model_path)
+    _checked(path, int4, per_tensor, fallback)
+    prepared, described, dataset, x, quality, cal = _loaded(path, data, split, samples, ranges, task_spec)
     reference, measure, seen = measuring(cal, x, quality, "int16")
     fp32_acc = quality.value(reference)
     frontier = [measure([])]
