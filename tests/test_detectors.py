@@ -204,3 +204,27 @@ def test_faces_on_real_photos_export_to_coco_and_tfrecord_and_read_back_the_same
         np.testing.assert_allclose(np.sort(read[kept >= 0], axis=0), np.sort(boxes, axis=0), atol=1e-4)
         pixels = np.concatenate([back.split(s)[0] for s in ("train", "val", "test")])
         np.testing.assert_allclose(np.sort(pixels.sum(axis=(1, 2, 3))), np.sort(x.sum(axis=(1, 2, 3))), rtol=1e-5)
+
+
+def test_a_tflite_whose_boxes_and_scores_share_one_output_is_told_so(cli, tmp_path):
+    """YOLO exports concatenate pixel boxes (0..640) and scores (0..1) into one tensor: one int8 scale
+    for both rounds the scores away. convert names the output, the op and the ranges."""
+    from edgeq.models.compat import keras
+    from edgeq.runtime.inputs import manifest_beside
+    from edgeq.shims.tflite import keras_converter
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3), name="image")
+    flat = keras.layers.Flatten()(inputs)
+    boxes = keras.layers.Rescaling(640.0)(keras.layers.Dense(4, activation="sigmoid")(flat))
+    scores = keras.layers.Dense(2, activation="sigmoid")(flat)
+    joined = keras.layers.Concatenate(name="output0")([boxes, scores])
+    model = tmp_path / "yolo_like.tflite"
+    model.write_bytes(keras_converter(keras.Model(inputs, joined), True).convert())
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).uniform(0, 1, (60, 8, 8, 3)).astype(np.float32))
+    out = tmp_path / "q.tflite"
+    result = cli("convert", model, "--int8-only", "--calib", f"npz:{tmp_path / 'x.npz'}", "--out", out,
+                 "--min-sqnr", "0")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    notes = json.loads(manifest_beside(out).read_text())["notes"]
+    assert any("concatenates tensors whose ranges differ" in n and "separate outputs" in n for n in notes), notes

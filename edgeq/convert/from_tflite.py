@@ -14,6 +14,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from edgeq.convert.manifest import _commit, _manifest, conversion_result
 from edgeq.convert.options import VERIFY_SAMPLES, ConversionResult, ConvertOptions, Mode, default_output
 from edgeq.convert.plans import _plan_ranges
@@ -101,6 +103,7 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     cal = calibrate_float(
         prepared.content, dataset.calibration_samples(options.calib_samples), op_names(prepared.content), ranges
     )
+    notes.extend(shared_scales(prepared.content, cal.calibration))
     wide = cal.layers if spec.mode == Mode.INT16X8 else _planned_ops(path, options, cal.layers, notes)
     flatbuffer = cal.quantize(wide, weight_bits=options.weight_bits)
     seconds = time.perf_counter() - started
@@ -160,6 +163,38 @@ def _planned_ops(path: Path, options: ConvertOptions, ops: list[str], notes: lis
         raise UsageError(f"{options.plan} puts {len(wide)} op(s) at 16-bit activations: convert it with --int8-only")
     notes.append(f"plan {options.plan}: {len(wide)} op(s) at 16-bit activations, every other one int8")
     return wide
+
+
+PASS_THROUGH = ("RESHAPE", "TRANSPOSE", "SQUEEZE", "EXPAND_DIMS")
+
+
+def shared_scales(content: bytes, calibration: dict, ratio: float = 10.0) -> list[str]:
+    """Outputs made by a CONCATENATION of tensors whose calibrated ranges differ more than ``ratio``:
+    in one int8 tensor (one scale) the small ones (YOLO's scores beside its pixel boxes) round to a few
+    steps. Each finding names the output, the op and the ranges, and what to export instead."""
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    main = verify_tflite(content, "the float model").main
+    producer = {t: op for op in main.operators for t in op.outputs}
+    found = []
+    for output in main.outputs:
+        op = producer.get(output)
+        while op is not None and op.op_type in PASS_THROUGH and op.inputs:
+            op = producer.get(op.inputs[0])
+        if op is None or op.op_type != "CONCATENATION":
+            continue
+        names = [main.tensors[i].name for i in op.inputs if i >= 0]
+        spans = [max(abs(float(np.min(calibration[n]["min"]))), abs(float(np.max(calibration[n]["max"]))))
+                 for n in names if n in calibration]  # fmt: skip
+        if len(spans) < 2 or max(spans) <= ratio * max(min(spans), 1e-12):
+            continue
+        found.append(
+            f"output {main.tensors[output].name!r} concatenates tensors whose ranges differ "
+            f"{max(spans) / max(min(spans), 1e-12):.0f}x (max |value| {', '.join(f'{s:.3g}' for s in spans)}) in op "
+            f"{op.index} CONCATENATION: one int8 scale rounds the small ones to a few steps; export the model "
+            "with them as separate outputs (boxes and scores), each with its own scale"
+        )
+    return found
 
 
 def _free_batch(content: bytes) -> bool:
