@@ -227,4 +227,46 @@ def test_a_tflite_whose_boxes_and_scores_share_one_output_is_told_so(cli, tmp_pa
                  "--min-sqnr", "0")  # fmt: skip
     assert result.exit_code == 0, result.output
     notes = json.loads(manifest_beside(out).read_text())["notes"]
-    assert any("concatenates tensors whose ranges differ" in n and "separate outputs" in n for n in notes), notes
+    assert any("concatenates tensors whose ranges differ" in n and "--split-outputs" in n for n in notes), notes
+
+
+def test_split_outputs_gives_yolos_boxes_and_scores_their_own_scales_and_still_decodes(cli, tmp_path):
+    """convert --split-outputs: the concatenated output becomes its two parts (each its own int8
+    scale); eval against the unsplit float file splits it the same way; a yolo detector declared on
+    the two parts decodes them together (mAP 1.0 on images whose one box is the model's)."""
+    from edgeq.models.compat import keras
+    from edgeq.runtime.inputs import manifest_beside
+    from edgeq.runtime.interpreter import TFLiteModel
+    from edgeq.shims.tflite import keras_converter
+
+    boxes = np.zeros((4, 8))
+    cy, cx = (BOX[0] + BOX[2]) / 2 * 32, (BOX[1] + BOX[3]) / 2 * 32
+    boxes[:, 5] = (cx, cy, (BOX[3] - BOX[1]) * 32, (BOX[2] - BOX[0]) * 32)
+    scores = np.full((1, 8), 0.01)
+    scores[0, 5] = 0.9
+    heads = _constant_model(keras, {"boxes": boxes, "scores": scores})
+    joined = keras.Model(heads.inputs, keras.layers.Concatenate(axis=1, name="output0")(heads.outputs))
+    model = tmp_path / "yolo_concat.tflite"
+    model.write_bytes(keras_converter(joined, True).convert())
+    rng = np.random.default_rng(0)
+    data = tmp_path / "boxes.npz"
+    np.savez(data, x=rng.uniform(0, 1, (40, 32, 32, 3)).astype(np.float32),
+             gt_boxes=np.tile(np.float32(BOX), (40, 1, 1)), gt_classes=np.zeros((40, 1)))  # fmt: skip
+    out = tmp_path / "q.tflite"
+    result = cli("convert", model, "--int8-only", "--split-outputs", "--calib", f"npz:{data}", "--out", out)
+    assert result.exit_code == 0, result.output
+    q = TFLiteModel(out)
+    by_shape = {tuple(q.output_named(n).shape[1:]): n for n in q.output_names}
+    assert set(by_shape) == {(4, 8), (1, 8)}
+    assert len({q.output_named(n).scale for n in q.output_names}) == 2  # each part its own scale
+    assert any("--split-outputs" in n for n in json.loads(manifest_beside(out).read_text())["notes"])
+    task = tmp_path / "yolo.json"
+    task.write_text(json.dumps({"detection": {"layout": "yolo", "boxes": by_shape[4, 8], "scores": by_shape[1, 8],
+                                              "classes": 1, "yolo": {"input_size": 32}}}))  # fmt: skip
+    result = cli("eval", out, "--reference", model, "--data", f"npz:{data}", "--task", task,
+                 "--json", tmp_path / "e.json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "e.json").read_text())
+    assert "split into their parts" in record["matching"]
+    assert record["detection"]["map50"] == pytest.approx(1.0)
+    assert record["detection"]["reference_map50"] == pytest.approx(1.0)

@@ -63,6 +63,12 @@ def _mode_options(func):
     "models, 0:1, 0:255. Recorded in the manifest: eval and profile read raw images in these units.",
 )
 @click.option(
+    "--split-outputs",
+    is_flag=True,
+    help="For a float .tflite: an output that concatenates tensors (YOLO's boxes and scores) becomes those "
+    "tensors, each an output with its own int8 scale (declare them as a yolo detector's boxes and scores).",
+)
+@click.option(
     "--task",
     metavar="KIND|NAME=KIND,...|FILE.json",
     help="What each output is: classification, binary, multilabel, regression, reconstruction or other "
@@ -155,6 +161,7 @@ def convert(
     weight_bits,
     input_shape,
     input_range,
+    split_outputs,
     task,
     max_drop,
 ):
@@ -187,6 +194,7 @@ def convert(
         ptq_target_db=ptq_target,
         input_shape=input_shape,
         input_range=input_range,
+        split_outputs=split_outputs,
         task=task,
         max_drop=max_drop,
     )

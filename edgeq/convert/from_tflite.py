@@ -75,7 +75,11 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     # LiteRT Quantizer's models have int8 inputs and outputs; --int8 lets the ops it has no int8 kernel for
     # (PRELU) stay float between DEQUANTIZE and QUANTIZE, --int8-only and --int16x8 refuse them
     spec, notes = replace(options.spec, integer_io=True, integer_only=options.spec.mode != Mode.INT8), []
-    prepared = prepared_float_model(path.read_bytes(), str(path))
+    prepared = prepared_float_model(path.read_bytes(), str(path), options.split_outputs)
+    if prepared.split:
+        notes.append(
+            f"output(s) {', '.join(prepared.split)} split into the tensors each concatenated (--split-outputs)"
+        )
     if prepared.float16_constants:
         notes.append(f"{prepared.float16_constants} float16 constant(s) read as float32 (their DEQUANTIZE ops removed)")
     if prepared.signature_added:
@@ -191,8 +195,8 @@ def shared_scales(content: bytes, calibration: dict, ratio: float = 10.0) -> lis
         found.append(
             f"output {main.tensors[output].name!r} concatenates tensors whose ranges differ "
             f"{max(spans) / max(min(spans), 1e-12):.0f}x (max |value| {', '.join(f'{s:.3g}' for s in spans)}) in op "
-            f"{op.index} CONCATENATION: one int8 scale rounds the small ones to a few steps; export the model "
-            "with them as separate outputs (boxes and scores), each with its own scale"
+            f"{op.index} CONCATENATION: one int8 scale rounds the small ones to a few steps; convert with "
+            "--split-outputs (each part its own output and scale), or export the model with them apart"
         )
     return found
 

@@ -133,7 +133,11 @@ def evaluate(
     got = quantized.predict_outputs(x, batch_size=1)
     ref, ref_size, reference_spec = _reference_outputs(reference, x)
     names = described.output_names
+    parts = _split_reference(reference, x, names) if not all(n in ref for n in names) else None
+    ref = parts or ref
     ref, matching = _matched(names, got, ref, reference)
+    if parts:
+        matching = "the reference's concatenated output(s) split into their parts, as convert --split-outputs did"
     specs = described.judged_with(reference_spec).tasks(task_spec, _targets(dataset, names))
     rows, primary, verdicts = _scored(specs, ref, got, dataset, split, x, max_drop_pp, model)
     detection = _detection(specs, ref, got, dataset, split, model, max_drop_pp, task_spec)
@@ -153,6 +157,21 @@ def evaluate(
     result = _result(model, reference, f"{data} ({split})", x, rows, primary, verdicts, detection, ref_size,
                      quantized.input.dtype, max_drop_pp, dataset.labelled)  # fmt: skip
     return replace(result, matching=matching)
+
+
+def _split_reference(reference: Path, x, names: list[str]) -> dict | None:
+    """A float .tflite reference's outputs with each concatenated output split into its parts (what
+    ``convert --split-outputs`` made of it), when that gives the model's output names; else None."""
+    if reference.suffix != ".tflite":
+        return None
+    from edgeq.quantize.passes import prepared_float_model
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    prepared = prepared_float_model(reference.read_bytes(), str(reference), split_outputs=True)
+    if not prepared.split:
+        return None
+    outputs = TFLiteModel(model_content=prepared.content).predict_outputs(x, batch_size=1)
+    return outputs if all(n in outputs for n in names) else None
 
 
 def _matched(names: list[str], got: dict, ref: dict, reference: Path) -> tuple[dict, str | None]:

@@ -291,6 +291,7 @@ class Prepared:
     content: bytes
     float16_constants: int  # float16 constants made float32 (their DEQUANTIZE ops removed)
     signature_added: bool
+    split: tuple[str, ...] = ()  # outputs that were a CONCATENATION, now its parts (--split-outputs)
 
 
 def _name(tensor) -> str:
@@ -417,8 +418,9 @@ def _add_signature(model, s) -> bool:
     return True
 
 
-def prepared_float_model(content: bytes, where: str) -> Prepared:
-    """``content`` as LiteRT Quantizer takes it: float32 constants and a signature (see the module)."""
+def prepared_float_model(content: bytes, where: str, split_outputs: bool = False) -> Prepared:
+    """``content`` as LiteRT Quantizer takes it: float32 constants and a signature (see the module);
+    with ``split_outputs``, each output a CONCATENATION writes becomes its parts, each its own output."""
     from edgeq.runtime.flatbuffer import verify_tflite
 
     verify_tflite(content, where)  # every index and offset checked: a broken file is refused in one line
@@ -435,6 +437,41 @@ def prepared_float_model(content: bytes, where: str) -> Prepared:
     codes = _modern_op_codes(model)
     float16 = _float16_to_float32(model, s)
     added = _add_signature(model, s)
-    if not float16 and not added and not codes:
+    split = _split_concatenated_outputs(model, s) if split_outputs else ()
+    if not float16 and not added and not codes and not split:
         return Prepared(content, 0, False)
-    return Prepared(_packed(model, len(content) * (2 if float16 else 1)), float16, added)
+    return Prepared(_packed(model, len(content) * (2 if float16 else 1)), float16, added, split)
+
+
+def _split_concatenated_outputs(model, s) -> tuple[str, ...]:
+    """Each output that a CONCATENATION of computed tensors writes (YOLO's boxes and scores) becomes
+    those tensors, each an output with its own int8 scale; the op goes. Returns the outputs split."""
+    graph = model.subgraphs[0]
+    consumed = {int(t) for op in graph.operators or [] for t in (op.inputs if op.inputs is not None else [])}
+    producer = {int(t): op for op in graph.operators or [] for t in (op.outputs if op.outputs is not None else [])}
+    split, outputs = [], []
+    for output in (int(t) for t in graph.outputs):
+        op = producer.get(output)
+        parts = [int(t) for t in op.inputs] if op is not None and op.inputs is not None else []
+        constant = any(model.buffers[graph.tensors[t].buffer].data is not None for t in parts if t >= 0)
+        if op is None or _builtin(model, op) != s.BuiltinOperator.CONCATENATION or output in consumed or constant:
+            outputs.append(output)
+            continue
+        outputs += parts
+        graph.operators = [o for o in graph.operators if o is not op]
+        split.append(_name(graph.tensors[output]))
+        for signature in model.signatureDefs or []:
+            entries = []
+            for entry in signature.outputs or []:
+                if int(entry.tensorIndex) != output:
+                    entries.append(entry)
+                    continue
+                for part in parts:
+                    new = s.TensorMapT()
+                    new.name, new.tensorIndex = _name(graph.tensors[part]), part
+                    entries.append(new)
+            signature.outputs = entries
+    graph.outputs = outputs
+    orphans = {i for i, t in enumerate(graph.tensors) if _name(t) in split}
+    _drop_unused_tensors(model, graph, orphans)  # a tensor no op writes would have no value to calibrate
+    return tuple(split)

@@ -228,7 +228,11 @@ def _decode_downloaded(spec: DetectionSpec, boxes: np.ndarray, scores: np.ndarra
         return found
     fmt = YoloFormat.from_dict({"classes": spec.classes, **(spec.decoder.get("yolo") or {})})
     for i in range(len(boxes)):
-        decoded, class_scores = yolo_decoded(boxes[i], fmt)
+        tensor = boxes[i]
+        if spec.scores != spec.boxes:  # split apart (convert --split-outputs): (4, N) + (K, N), or (N, 4) + (N, K)
+            axis = 0 if boxes[i].shape[0] == 4 + int(fmt.objectness) and boxes[i].shape[-1] != 4 else -1
+            tensor = np.concatenate([boxes[i], scores[i]], axis=axis)
+        decoded, class_scores = yolo_decoded(tensor, fmt)
         found.append(decode_plain(decoded, class_scores, **kwargs))
     return found
 
