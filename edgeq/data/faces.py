@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.data.photos import generated, portrait, sample_photos
+from edgeq.data.photos import background, generated, portrait, sample_photos
 
 FACE_CLASSES = ("face",)
 # In grace_hopper.jpg (512 x 600): the face from the forehead below the cap to the chin, cheek to
@@ -32,7 +32,6 @@ def _feathered(height: int, width: int) -> np.ndarray:
 
 def paste_faces(size: int, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``count`` images of size x size with one or two faces each (face side 20% to 60% of the image)."""
-    from PIL import Image
 
     photos, face = sample_photos(), portrait()
     head = face[HEAD[0] : HEAD[2], HEAD[1] : HEAD[3]]
@@ -43,11 +42,7 @@ def paste_faces(size: int, count: int, rng: np.random.Generator) -> tuple[np.nda
     boxes = np.zeros((count, MAX_FACES, 4), np.float32)
     classes = np.full((count, MAX_FACES), -1, np.int64)
     for i in range(count):
-        photo = photos[int(rng.integers(len(photos)))]
-        side = int(rng.integers(120, min(photo.shape[:2])))
-        top, left = int(rng.integers(0, photo.shape[0] - side)), int(rng.integers(0, photo.shape[1] - side))
-        canvas = np.asarray(Image.fromarray(photo[top : top + side, left : left + side]).resize((size, size)))
-        canvas = canvas.astype(np.float32)
+        canvas = np.asarray(background(photos, size, rng)).astype(np.float32)
         placed: list[np.ndarray] = []
         for _ in range(1 if rng.uniform() < 0.7 else 2):
             box = _paste_one(canvas, head, inner, placed, size, rng)

@@ -43,3 +43,13 @@ def generated(spec: str, name: str, size: int, count: int) -> tuple[int, int, np
     if size < 32 or count < 10:
         raise DataError(f"bad source {spec!r}: SIZE must be at least 32 and N at least 10")
     return size, count, np.random.default_rng(int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "little"))
+
+
+def background(photos: list[np.ndarray], size: int, rng: np.random.Generator):
+    """A square crop of one of ``photos`` (120 pixels to its short side), resized to size x size (PIL image)."""
+    from PIL import Image
+
+    photo = photos[int(rng.integers(len(photos)))]
+    side = int(rng.integers(120, min(photo.shape[:2])))
+    top, left = int(rng.integers(0, photo.shape[0] - side)), int(rng.integers(0, photo.shape[1] - side))
+    return Image.fromarray(photo[top : top + side, left : left + side]).resize((size, size))

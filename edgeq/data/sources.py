@@ -16,7 +16,7 @@ from edgeq.data.files import (
     load_npz,
     load_tfrecord,
 )
-from edgeq.data.photos import generated, sample_photos
+from edgeq.data.photos import background, generated, sample_photos
 from edgeq.data.splits import Dataset, _make
 from edgeq.errors import DataError
 from edgeq.runtime.inputs import UINT8_IMAGES, Normalization
@@ -135,17 +135,14 @@ MAX_OBJECTS = 8  # ground-truth rows per image (gt_classes -1 where unused)
 def draw_shapes(size: int, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``count`` images of size x size: crops of real photos with 1 to 4 circles, squares and
     triangles each (10% to 40% of the side, overlapping little), and their exact boxes."""
-    from PIL import Image, ImageDraw
+    from PIL import ImageDraw
 
     photos = sample_photos()
     images = np.empty((count, size, size, 3), np.uint8)
     boxes = np.zeros((count, MAX_OBJECTS, 4), np.float32)
     classes = np.full((count, MAX_OBJECTS), -1, np.int64)
     for i in range(count):
-        photo = photos[int(rng.integers(len(photos)))]
-        side = int(rng.integers(120, min(photo.shape[:2])))
-        top, left = int(rng.integers(0, photo.shape[0] - side)), int(rng.integers(0, photo.shape[1] - side))
-        canvas = Image.fromarray(photo[top : top + side, left : left + side]).resize((size, size))
+        canvas = background(photos, size, rng)
         draw = ImageDraw.Draw(canvas)
         placed: list[np.ndarray] = []
         for _ in range(int(rng.integers(1, 5))):

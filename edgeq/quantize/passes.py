@@ -90,7 +90,6 @@ def fuse_requantize(content: bytes) -> tuple[bytes, int]:
 
 
 def _dequantized(tensor, buffers, qdim: int):
-    import numpy as np
 
     data = np.frombuffer(bytes(bytearray(buffers[tensor.buffer].data)), dtype=np.int8).reshape(tensor.shape)
     q = tensor.quantization
@@ -112,7 +111,6 @@ def with_weight_codes(content: bytes, kernels) -> tuple[bytes, list[str]]:
     Normalization divides by a per-channel std that the converter folds into the stem conv's
     filter. Those keep the converter's codes. Returns the new flatbuffer and the layers not found.
     """
-    import numpy as np
 
     from edgeq.quantize.numerics import pack_int4
 
@@ -196,7 +194,6 @@ def _opcode(model, s, builtin: int, version: int) -> int:
 
 def _int8_tensor(model, graph, name: str, shape, scale: float, zero_point: int, data=None) -> int:
     """Add an int8 tensor (a constant when ``data`` is given) to ``graph``; its index."""
-    import numpy as np
 
     s = schema()
     t = s.TensorT()
@@ -214,7 +211,6 @@ def _int8_tensor(model, graph, name: str, shape, scale: float, zero_point: int, 
 
 def _int8_op(model, builtin: int, options, inputs: list[int], output: int):
     """An int8 ADD or MUL operator (version 2) with these options."""
-    import numpy as np
 
     s = schema()
     op = s.OperatorT()
