@@ -230,7 +230,7 @@ def _decode_downloaded(spec: DetectionSpec, boxes: np.ndarray, scores: np.ndarra
     for i in range(len(boxes)):
         tensor = boxes[i]
         if spec.scores != spec.boxes:  # split apart (convert --split-outputs): (4, N) + (K, N), or (N, 4) + (N, K)
-            axis = 0 if boxes[i].shape[0] == 4 + int(fmt.objectness) and boxes[i].shape[-1] != 4 else -1
+            axis = 0 if boxes[i].shape[0] == 4 and boxes[i].shape[-1] != 4 else -1  # the box part is 4 wide
             tensor = np.concatenate([boxes[i], scores[i]], axis=axis)
         decoded, class_scores = yolo_decoded(tensor, fmt)
         found.append(decode_plain(decoded, class_scores, **kwargs))
