@@ -29,7 +29,7 @@ setup(
     packages=find_packages(include=["edgeq", "edgeq.*"]),
     # Reference-model recipes (edgeq/models/recipes/*.toml) ship inside the package, so an
     # installed edgeq finds them without the checkout.
-    package_data={"edgeq.models": ["recipes/*.toml"], "edgeq.report": ["templates/*.j2"]},
+    package_data={"edgeq.models": ["recipes/*.toml"], "edgeq.quantize": ["targets.toml"], "edgeq.report": ["templates/*.j2"]},
     # The interpreter is an extra, one of two: an extra can add a requirement but never take one
     # away, so a base that required LiteRT could not give a tflite-runtime device an install
     # without it. A bare `pip install edgeq` says which extra to add when it needs a runtime.

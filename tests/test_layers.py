@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "edgeq"
 LAYERS: list[tuple[str, ...]] = [
     ("edgeq.errors",),
     # numpy: numerics, range methods and observers, the plan file's format
-    ("edgeq.quantize.numerics", "edgeq.quantize.ranges", "edgeq.quantize.plan_file"),
+    ("edgeq.quantize.numerics", "edgeq.quantize.ranges", "edgeq.quantize.plan_file", "edgeq.quantize.targets"),
     ("edgeq.tasks.metrics",),
     ("edgeq.tasks",),  # the task table, detection, verdicts
     ("edgeq.shims.litert",),

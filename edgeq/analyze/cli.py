@@ -6,7 +6,7 @@ import click
 
 from edgeq.quantize.ranges import ACTIVATION_METHODS
 from edgeq.tasks.metrics import metric
-from edgeq.ui import Heartbeat, table
+from edgeq.ui import Heartbeat, host_key_option, inventory_option, table
 
 _ranges_option = click.option(
     "--ranges",
@@ -223,14 +223,46 @@ def sensitivity(model, data, method, calib_samples, split, granularity, ranges, 
     help="What a layer int8 hurts becomes: float, or 16-bit activations (16x8), which keeps the model "
     "integer-only (convert it with --int8-only --plan PLAN).",
 )
-@_ranges_option
+@click.option(
+    "--ranges",
+    type=click.Choice(list(ACTIVATION_METHODS)),
+    default=None,
+    help="How activation ranges are set from the calibration data (minmax, the converter's own, by default; "
+    "with --target every method is tried unless one is named).",
+)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Size/task-metric frontier PNG.")
 @_task_option
-def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fallback, ranges, plot_path, task):
+@click.option(
+    "--target",
+    metavar="cpu|edgetpu|npu16x8|FILE.toml",
+    help="Weigh speed: try every way back from int8 the target runs (range methods, float and int16 islands), "
+    "time each candidate, keep the fastest that meets --max-drop.",
+)
+@click.option("--on", "on_device", metavar="DEVICE", help="With --target: time the candidates on this device (SSH).")
+@inventory_option(help="Device inventory (with --on).")
+@host_key_option
+@click.option("--max-size", type=click.IntRange(min=1), metavar="KIB", help="With --target: only models this small.")
+@click.option("--runs", type=click.IntRange(min=1), default=50, show_default=True, help="Timed runs per candidate.")
+def plan(model, data, max_drop, out, calib_samples, split, granularity, int4, fallback, ranges, plot_path, task,
+         **speed):  # fmt: skip
     """Start from full INT8 and move the most sensitive layers off int8 (float, or with
     --fallback int16 16-bit activations) until the accuracy drop is within --max-drop.
     The best plan is always saved; use it with `edgeq convert MODEL --int8 --plan PLAN`
-    (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`."""
+    (--int8-only for an int16 plan) or `edgeq train --layer-config PLAN`.
+
+    With --target, the plan weighs speed: every candidate the target can run is timed (on this
+    host, or --on DEVICE), and the fastest one within --max-drop (and --max-size) is kept."""
+    if speed["target"]:
+        speed["fallback_given"] = fallback if _given("fallback") else None
+        _target_plan(model, data, max_drop, out, calib_samples, split, granularity, int4, ranges, plot_path, task,
+                     speed)  # fmt: skip
+        return
+    for name, flag in (("on_device", "--on"), ("max_size", "--max-size")):
+        if speed[name]:
+            from edgeq.errors import UsageError
+
+            raise UsageError(f"{flag} weighs a plan's speed on a target: add --target cpu|edgetpu|npu16x8")
+    ranges = ranges or "minmax"
     from edgeq.analyze.from_tflite import make_tflite_plan
     from edgeq.analyze.plan import make_plan, save_frontier_chart
     from edgeq.errors import QualityGateError
@@ -291,3 +323,106 @@ def _names(layers, shown: int = 4) -> str:
     """A few layer names and how many more: a plan of a big model can move hundreds."""
     more = f" (+{len(layers) - shown} more)" if len(layers) > shown else ""
     return ", ".join(layers[:shown]) + more
+
+
+def _device_timer(name: str, inventory_path, accept_new: bool, runs: int, results_dir):
+    """``timer(model_bytes) -> ms`` on one device of the inventory: the fleet's remote profile of each candidate."""
+    import itertools
+    from pathlib import Path
+
+    from edgeq.errors import UsageError
+    from edgeq.fleet.remote import ProfileOptions, profile_on
+    from edgeq.ui import select_devices
+
+    devices = select_devices(inventory_path, [name], accept_new)
+    if len(devices) != 1:
+        raise UsageError(f"--on {name}: names {len(devices)} devices; a plan is timed on one (give its name)")
+    device, counter = devices[0], itertools.count(1)
+    folder = Path(results_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def timed(model_bytes: bytes) -> float:
+        path = folder / f"candidate{next(counter):03d}.tflite"
+        path.write_bytes(model_bytes)
+        return profile_on(device, path, ProfileOptions(threads="1", runs=runs), folder / "profiles").median_ms
+
+    timed.where = f"{device.name}, 1 thread"  # type: ignore[attr-defined]
+    return timed
+
+
+def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, int4, ranges, plot_path, task, speed):
+    """``analyze plan --target``: the candidates, timed; the fastest that meets the budget."""
+    from pathlib import Path
+
+    from edgeq.analyze.speed import host_timer, make_target_plan
+    from edgeq.errors import QualityGateError, UsageError
+    from edgeq.tasks.verdicts import Verdict
+
+    if str(model).endswith(".tflite") or int4 or granularity == "per-tensor":
+        raise UsageError("--target plans a Keras model's per-channel int8, float and int16 layers: drop --int4 and "
+                         "--granularity per-tensor (a .tflite: plan it without --target)")  # fmt: skip
+    if speed["on_device"]:
+        candidates = Path(out).with_name(Path(out).stem + ".candidates")
+        timer = _device_timer(speed["on_device"], speed["inventory_path"], speed["accept_new_host_keys"],
+                              speed["runs"], candidates)  # fmt: skip
+    else:
+        timer = host_timer(runs=speed["runs"])
+    max_size = speed["max_size"] * 1024 if speed["max_size"] else None
+    fallback = speed.get("fallback_given")
+    with Heartbeat("analyze plan (candidates timed)") as progress:
+        result = make_target_plan(
+            model, data, max_drop, out, speed["target"], calib_samples, split, progress, ranges, task,
+            fallback, timer, max_size,
+        )  # fmt: skip
+    record = __import__("json").loads(Path(result.path).read_text())
+    click.echo(_target_table(result, record))
+    if plot_path:
+        from edgeq.analyze.plan import save_frontier_chart
+
+        save_frontier_chart(result, plot_path, fp32=record["fp32"])
+    click.echo(f"chosen plan: {Verdict.from_dict(result.verdict).line()}")
+    fp32 = record["fp32"]
+    if result.met and not record["faster_than_fp32"]:
+        click.echo(
+            f"on {record['latency_on']} FP32 ({fp32['latency_ms']:.3g} ms) is faster than every quantized model that "
+            f"meets the budget (the chosen: {result.best.latency_ms:.3g} ms): int8 buys size here, not speed"
+        )
+    click.echo(f"plan: {result.path}\nconvert: {record['commands']['convert']}")
+    if not result.met:
+        row = metric(result.metric)
+        raise QualityGateError(
+            f"QAT needed: no PTQ candidate {record['target']['name']} runs meets --max-drop {max_drop:g} "
+            f"{row.change_label}; the best ({result.best.way}, {result.best.ranges} ranges) is "
+            f"{result.best.worse_by:.2f} {row.change_label} worse; run: {record['commands']['qat']}"
+        )
+
+
+def _target_table(result, record) -> str:
+    row = metric(result.metric)
+    unit = row.change_label
+    fp32 = record["fp32"]
+    head = (
+        f"{result.data}, {result.samples} samples, target {record['target']['name']}, latency on "
+        f"{record['latency_on']}: {row.label} FP32 {row.show(result.fp32_value)}, budget {result.budget:g} {unit} "
+        "worse" + (" (no labels: accuracy is top-1 agreement with FP32)" if result.label_free else "")
+    )
+    rows = [("", "FP32", "-", "(none)", row.show(fp32["value"]), "+0.00", f"{fp32['latency_ms']:.3g}",
+             f"{fp32['size_bytes'] / 1024:.1f}")]  # fmt: skip
+    for p in result.frontier:
+        mark = "*" if p is result.best else ""
+        rows.append(
+            (mark, p.way, p.ranges, _names(p.changed) or "(none)", row.show(p.value), f"{p.worse_by:+.2f}",
+             f"{p.latency_ms:.3g}", f"{p.size_bytes / 1024:.1f}")
+        )  # fmt: skip
+    header = ["", "way", "ranges", "layers moved", row.label, f"worse by ({unit})", "latency ms", "size KiB"]
+    if record["target"]["name"] != "cpu" and record["latency_on"].startswith("this host"):
+        name = record["target"]["name"]
+        head += f"\n(this host's CPU times the candidates, not a {name}: time them there with --on DEVICE)"
+    return head + "\n" + table(header, rows) + "\n(* the chosen: the fastest that meets the budget)"
+
+
+def _given(name: str) -> bool:
+    """Whether the user named option ``name`` (not its default)."""
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(name) is ParameterSource.COMMANDLINE

@@ -44,6 +44,9 @@ class PlanPoint:
     size_bytes: int  # with INT4 layers: the INT8 file minus half of their weight bytes (two per byte)
     int4_layers: tuple[str, ...] = ()
     wide_layers: tuple[str, ...] = ()  # at 16-bit activations (fallback int16)
+    latency_ms: float | None = None  # median of one thread's runs where the plan timed it (--target)
+    ranges: str | None = None  # the activation range method it was quantized with (--target tries several)
+    way: str | None = None  # how it left int8 (--target): "int8", "float islands", "int16 islands"
 
     @property
     def changed(self) -> tuple[str, ...]:
@@ -244,9 +247,12 @@ def _measurer(model, dataset, x, quality, fallback: str, calibration: tuple, whe
     return (cal, *measuring(cal, x, quality, fallback))
 
 
-def measuring(cal, x, quality, fallback: str):
+def measuring(cal, x, quality, fallback: str, timer=None, label: tuple = (None, None)):
     """The float model's outputs on ``x``, ``measure`` (one plan quantized from ``cal`` and scored),
-    and ``seen``: each measured plan's outputs, by the layers it moved."""
+    and ``seen``: each measured plan's outputs, by the layers it moved.
+
+    ``timer(model_bytes) -> ms``: each plan's latency too (a plan for a --target); ``label``: the
+    (range method, way) its points record."""
     seen: dict[tuple, np.ndarray] = {}
     reference = predict(cal.float_model, x)
     fp32_acc = quality.value(reference)
@@ -259,10 +265,12 @@ def measuring(cal, x, quality, fallback: str):
         out = predict(model_bytes, x)
         acc = quality.value(out)
         worse = round(quality.points(fp32_acc, acc), 4)
+        latency = None if timer is None else timer(model_bytes)
+        extra = {"latency_ms": latency, "ranges": label[0], "way": label[1]}
         if fallback == "int16":
-            point = PlanPoint((), acc, worse, len(model_bytes), (), tuple(layers))
+            point = PlanPoint((), acc, worse, len(model_bytes), (), tuple(layers), **extra)
         else:
-            point = PlanPoint(tuple(layers), acc, worse, len(model_bytes))
+            point = PlanPoint(tuple(layers), acc, worse, len(model_bytes), **extra)
         seen[point.changed] = out
         return point
 
@@ -373,7 +381,7 @@ def _int4_layers(
     return best
 
 
-def save_frontier_chart(result: PlanResult, path) -> None:
+def save_frontier_chart(result: PlanResult, path, fp32: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -381,6 +389,8 @@ def save_frontier_chart(result: PlanResult, path) -> None:
 
     from edgeq.artifacts import atomic_path
 
+    if fp32 is not None:  # a target plan: accuracy against latency
+        return _save_speed_chart(result, path, fp32)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     row = metric(result.metric)
     sizes = [p.size_bytes / 1024 for p in result.frontier]
@@ -394,6 +404,34 @@ def save_frontier_chart(result: PlanResult, path) -> None:
     moved = "at 16-bit" if result.fallback == "int16" else "kept float"
     ax.set_title(f"plans tried (label: layers {moved})")
     ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+
+
+def _save_speed_chart(result: PlanResult, path, fp32: dict) -> None:
+    """A target plan's candidates: latency against the metric's change, FP32 and the chosen one marked."""
+    import matplotlib.pyplot as plt
+
+    from edgeq.artifacts import atomic_path
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    row = metric(result.metric)
+    ways = (("int8", "#4062bb"), ("int8 (LiteRT Quantizer)", "#76b7b2"), ("float islands", "#59a14f"),
+            ("int16 islands", "#e15759"))  # fmt: skip
+    for way, colour in ways:
+        points = [p for p in result.frontier if p.way == way]
+        if points:
+            ax.scatter([p.latency_ms for p in points], [p.worse_by for p in points], s=18, color=colour, label=way)
+    ax.scatter([fp32["latency_ms"]], [0.0], marker="*", s=120, color="black", label="FP32")
+    best = result.best
+    ax.scatter([best.latency_ms], [best.worse_by], s=140, facecolors="none", edgecolors="black", label="chosen")
+    ax.axhline(result.budget, color="#c33", lw=0.8, ls="--", label="budget")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency, ms (log scale)")
+    ax.set_ylabel(f"{row.label} worse than FP32 ({row.change_label})")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=90)

@@ -97,3 +97,22 @@ def plan_frontier(points: list[dict], budget_pp: float, chosen: dict | None) -> 
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return _svg_uri(fig)
+
+
+def speed_frontier(points: list[dict], budget: float, chosen: dict, fp32: dict) -> str:
+    """A target plan's candidates: latency against the metric's change, by way; FP32 and the chosen one marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for way in sorted({str(p.get("way")) for p in points}):
+        mine = [p for p in points if str(p.get("way")) == way]
+        ax.scatter([p["latency_ms"] for p in mine], [p["worse_by"] for p in mine], s=18, label=way)
+    ax.scatter([fp32["latency_ms"]], [0.0], marker="*", s=120, color="black", label="FP32")
+    ax.scatter([chosen["latency_ms"]], [chosen["worse_by"]], s=140, facecolors="none", edgecolors="black",
+               label="chosen")  # fmt: skip
+    ax.axhline(budget, color=COLORS["budget"], ls="--", lw=1, label=f"budget {budget:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency, ms (log scale)")
+    ax.set_ylabel("worse than FP32")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _svg_uri(fig)

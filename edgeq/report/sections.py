@@ -311,7 +311,9 @@ def _plans(sources: Sources) -> tuple[list[dict], list[Check]]:
                 "size_bytes": d.get("size_bytes"),
                 "float_layers": [k for k, v in layers.items() if v == "float"],
                 "int4_layers": [k for k, v in layers.items() if isinstance(v, dict) and v.get("weight_bits") == 4],
+                "wide_layers": [k for k, v in layers.items() if isinstance(v, dict) and v.get("activation_bits") == 16],
                 "figure": figures.plan_frontier(points, float(d.get("budget") or 0.0), chosen) if points else None,
+                "target": _plan_target(d, points),
             }
         )
         if d.get("met") is not None:
@@ -324,6 +326,46 @@ def _plans(sources: Sources) -> tuple[list[dict], list[Check]]:
                 )
             )
     return out, checks
+
+
+def _plan_target(d: dict, points: list[dict]) -> dict | None:
+    """A plan for a --target: each candidate's latency, FP32's, and the chosen one (its frontier drawn
+    as latency against the metric's change)."""
+    target, fp32 = d.get("target"), d.get("fp32")
+    if not isinstance(target, dict) or not isinstance(fp32, dict) or _num(fp32.get("latency_ms")) is None:
+        return None
+    timed = [p for p in points if _num(p.get("latency_ms")) is not None and _num(p.get("worse_by")) is not None]
+    chosen = d.get("chosen") if isinstance(d.get("chosen"), int) else -1
+    candidates = [
+        {
+            "way": p.get("way"),
+            "ranges": p.get("ranges"),
+            "moved": len(p.get("float_layers") or []) + len(p.get("wide_layers") or []),
+            "value": p.get("value"),
+            "worse_by": p.get("worse_by"),
+            "latency_ms": p.get("latency_ms"),
+            "size_bytes": p.get("size_bytes"),
+            "chosen": i == chosen,
+        }
+        for i, p in enumerate(points)
+        if p in timed
+    ]
+    best = next((c for c in candidates if c["chosen"]), None)
+    if best is None:
+        return None
+    return {
+        "name": target.get("name"),
+        "on": d.get("latency_on") or "this host",
+        "way": best["way"],
+        "ranges": best["ranges"],
+        "latency_ms": best["latency_ms"],
+        "fp32_ms": fp32["latency_ms"],
+        "fp32_size": fp32.get("size_bytes"),
+        "faster": best["latency_ms"] < fp32["latency_ms"],
+        "qat": (d.get("commands") or {}).get("qat"),
+        "candidates": candidates,
+        "figure": figures.speed_frontier(timed, float(d.get("budget") or 0.0), points[chosen], fp32),
+    }
 
 
 def _weights(sources: Sources) -> list[dict]:

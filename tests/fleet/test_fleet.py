@@ -705,3 +705,28 @@ def test_a_regressor_on_a_device_speaks_rmse_and_has_no_top1(cli, fleet, tmp_pat
     assert verified.exit_code == 0, verified.output
     (device,) = json.loads((tmp_path / "v.json").read_text())["devices"]
     assert device["top1_agreement"] is None and device["outputs"][0]["top1_agreement"] is None
+
+
+def test_a_plan_times_its_candidates_on_the_device(cli, fleet, tmp_path):
+    """`analyze plan --target --on DEVICE`: each candidate is pushed and profiled there (the fleet's
+    remote profile), and the plan records the device's latencies."""
+    from edgeq.models.compat import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.Flatten(),
+         keras.layers.Dense(10, activation="softmax")]
+    )  # fmt: skip
+    model.compile("adam", "sparse_categorical_crossentropy")
+    path = tmp_path / "small.keras"
+    model.save(path)
+    out = tmp_path / "plan.json"
+    result = _run(cli, fleet, "analyze", "plan", path, "--data", "digits", "--max-drop", "100", "--out", out,
+                  "--target", "edgetpu", "--ranges", "minmax", "--runs", "5", "--on", "x86-venv")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["latency_on"] == "x86-venv, 1 thread" and saved["latency_ms"] > 0 and saved["fp32"]["latency_ms"] > 0
+    profiles = sorted((tmp_path / "plan.candidates" / "profiles" / "x86-venv").glob("*.profile.json"))
+    assert len(profiles) == 2, profiles  # FP32 and the int8 candidate, each profiled on the device
+    medians = sorted(json.loads(p.read_text())["model"]["runs"][0]["latency"]["median_ms"] for p in profiles)
+    assert medians == sorted([saved["fp32"]["latency_ms"], saved["latency_ms"]])

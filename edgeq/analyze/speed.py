@@ -1,0 +1,260 @@
+"""Plans that weigh speed on a target: the fastest model that meets the accuracy budget.
+
+`analyze plan --target T` tries every way back from int8 that T can run (edgeq.quantize.targets):
+
+- full int8 with each activation range method `--ptq` has (min/max, percentile, MSE, entropy);
+- float islands: the most sensitive layers kept float (a CPU's XNNPACK has fast float kernels,
+  but each island adds QUANTIZE/DEQUANTIZE pairs);
+- int16 islands: those layers at 16-bit activations (16x8), which keeps the model integer-only
+  (an NPU with 16x8 kernels; on a CPU they run on LiteRT's slow reference kernels).
+
+Every candidate is quantized, scored on the split and timed with profile's own benchmark
+(edgeq.profile.run.measure_run, one thread), on this host or, through the fleet, on a device. The
+plan keeps the fastest that meets the budget (and --max-size). None meets it: QAT is needed,
+and the plan says so with the best PTQ point and the command to run.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from edgeq.analyze.plan import (
+    EXACT_LAYERS,
+    PlanPoint,
+    PlanResult,
+    _check_layer_names,
+    _fast_wide_ranking,
+    _greedy,
+    _metric_fields,
+    _prefix_search,
+    _wide_ranking,
+    measuring,
+)
+from edgeq.analyze.sensitivity import exact_sensitivity, load_fp32_with_data, quality_of
+from edgeq.artifacts import write_json_atomic
+from edgeq.errors import UsageError
+from edgeq.quantize.calibration import calibrate
+from edgeq.quantize.ranges import ACTIVATION_METHODS
+from edgeq.quantize.targets import load_target
+from edgeq.tasks.verdicts import judge
+
+WAYS = {"float": "float islands", "int16": "int16 islands"}
+LITERT_INT8 = (
+    "int8 (LiteRT Quantizer)"  # full int8 as the int16 islands' engine builds it: its own graph, its own speed
+)
+# Candidates this close to the fastest are as fast, within the noise of a median: the smallest of them is kept
+SAME_SPEED = 0.05
+QAT_EPOCHS = 3
+
+
+def host_timer(runs: int = 50, warmup: int = 5, threads: int = 1):
+    """``timer(model_bytes) -> median ms`` on this host, with profile's benchmark (XNNPACK)."""
+    from edgeq.profile.run import measure_run
+
+    def timed(model_bytes: bytes) -> float:
+        with tempfile.TemporaryDirectory(prefix="edgeq-plan-") as tmp:
+            path = Path(tmp) / "candidate.tflite"
+            path.write_bytes(model_bytes)
+            result, model = measure_run(path, threads=threads, runs=runs, warmup=warmup, progress=False)
+            del model
+        return result.latency.median_ms
+
+    timed.where = "this host, 1 thread"  # type: ignore[attr-defined]
+    return timed
+
+
+def make_target_plan(
+    model_path,
+    data: str,
+    max_drop_pp: float,
+    out: str | Path,
+    target: str,
+    samples: int = 200,
+    split: str = "val",
+    progress=None,
+    ranges: str | None = None,
+    task_spec: str | None = None,
+    fallback: str | None = None,
+    timer=None,
+    max_size: int | None = None,
+) -> PlanResult:
+    """The fastest candidate ``target`` runs that meets ``max_drop_pp`` (and ``max_size`` bytes)."""
+    start = time.perf_counter()
+    tgt = load_target(target)
+    ways = _ways(tgt, fallback)
+    timer = timer or host_timer()
+    model, dataset, described = load_fp32_with_data(model_path, data, "plan from")
+    x, _ = dataset.split(split)
+    if len(x) == 0:
+        raise UsageError(f"data {data!r} has no {split} samples to measure plans on; use --split test")
+    quality = quality_of(model, described, dataset, split, task_spec)
+    outputs: dict[tuple, object] = {}
+    frontier: list[PlanPoint] = []
+    search = _Search(model, dataset, x, quality, samples, timer, frontier, outputs)
+    for method in (ranges,) if ranges else ACTIVATION_METHODS:
+        search.int8(method)
+    fp32 = search.fp32
+    base = min(frontier, key=lambda p: (p.worse_by, p.latency_ms))  # the ranges the islands start from
+    if base.worse_by > max_drop_pp:
+        for way in ways:
+            search.islands(way, base.ranges, max_drop_pp, progress)
+    meeting = [p for p in frontier if p.worse_by <= max_drop_pp and (max_size is None or p.size_bytes <= max_size)]
+    if meeting:
+        fastest = min(p.latency_ms for p in meeting)
+        tied = [p for p in meeting if p.latency_ms <= fastest * (1 + SAME_SPEED)]
+        best = min(tied, key=lambda p: (p.size_bytes, len(p.changed), p.latency_ms))
+    else:
+        best = min(frontier, key=lambda p: (p.worse_by, p.latency_ms))
+    _check_layer_names(model, model_path, best)
+    verdict = judge(
+        quality.spec, fp32["reference"], outputs[_key(best)], quality.targets, quality.inputs, max_drop_pp,
+        quality.metric,
+    ).to_dict()  # fmt: skip
+    record = _record(model_path, f"{data} ({split})", max_drop_pp, tgt, quality, fp32, best, frontier, meeting)
+    record.update(
+        verdict=verdict,
+        samples=len(x),
+        latency_on=getattr(timer, "where", "a device"),
+        max_size_bytes=max_size,
+        commands=_commands(model_path, data, out, best, tgt, bool(meeting), quality.label_free),
+        **_metric_fields(quality.metric),
+    )
+    out = Path(out)
+    write_json_atomic(out, record)
+    int8_value = next((p.value for p in frontier if p.way == "int8" and p.ranges == "minmax"), frontier[0].value)
+    return PlanResult(
+        out, bool(meeting), max_drop_pp, fp32["value"], int8_value, best, tuple(frontier), (),
+        f"{data} ({split})", round(time.perf_counter() - start, 3), best.way or "int8", quality.label_free,
+        quality.metric, len(x), verdict,
+    )  # fmt: skip
+
+
+def _ways(tgt, fallback: str | None) -> tuple[str, ...]:
+    if fallback is None:
+        return tgt.fallbacks
+    if fallback not in tgt.fallbacks:
+        runs = ", ".join(tgt.runs)
+        raise UsageError(
+            f"--target {tgt.name} runs {runs}: it cannot run a layer at {fallback}; drop --fallback, and the plan "
+            "tries every way the target runs"
+        )
+    return (fallback,)
+
+
+def _key(point: PlanPoint) -> tuple:
+    return (point.way, point.ranges, point.changed)
+
+
+class _Search:
+    """The candidates of one plan: each quantized, scored, timed, kept on the frontier."""
+
+    def __init__(self, model, dataset, x, quality, samples, timer, frontier, outputs):
+        self.model, self.dataset, self.x, self.quality = model, dataset, x, quality
+        self.samples, self.timer, self.frontier, self.outputs = samples, timer, frontier, outputs
+        self.calibrated: dict[str, object] = {}
+        self.fp32: dict = {}
+
+    def _measurer(self, cal, fallback: str, method: str, way: str):
+        reference, measure, seen = measuring(cal, self.x, self.quality, fallback, self.timer, (method, way))
+
+        def measured(layers: list[str]) -> PlanPoint:
+            point = measure(layers)
+            self.outputs[_key(point)] = seen[point.changed]
+            return point
+
+        return reference, measured
+
+    def int8(self, method: str) -> None:
+        """Full int8 with ``method``'s activation ranges (the converter's engine, per-channel weights)."""
+        cal = calibrate(self.model, self.dataset, self.samples, False, method)
+        if not cal.nodes:
+            raise UsageError("the converter quantized no layer: there is nothing to plan")
+        self.calibrated[method] = cal
+        reference, measure = self._measurer(cal, "float", method, "int8")
+        if not self.fp32:
+            self.fp32 = {
+                "reference": reference,
+                "value": self.quality.value(reference),
+                "latency_ms": self.timer(cal.float_model),
+                "size_bytes": len(cal.float_model),
+            }
+        self.frontier.append(measure([]))
+
+    def islands(self, fallback: str, method: str, max_drop_pp: float, progress) -> None:
+        """The fewest layers moved to ``fallback`` that meet the budget, and the points on the way."""
+        way = WAYS[fallback]
+        if fallback == "int16":
+            from edgeq.quantize.mixed import calibrate_mixed
+
+            cal = calibrate_mixed(self.model, self.dataset.calibration_samples(self.samples), ranges=method)
+        else:
+            cal = self.calibrated[method]
+        reference, measure = self._measurer(cal, fallback, method, way)
+        start = measure([])  # the engine's own full int8 (LiteRT Quantizer's for int16): its own speed
+        if fallback == "int16":
+            self.frontier.append(replace(start, way=LITERT_INT8))
+            self.outputs[_key(self.frontier[-1])] = self.outputs[_key(start)]
+        trail = [start]
+        layers = list(cal.layers)
+        if len(layers) <= EXACT_LAYERS and fallback == "float":
+            _, _, ranked = exact_sensitivity(cal, self.x, self.quality, progress)
+            ranked.sort(key=lambda r: (-r.gain, -r.loss, -r.mse_only_this))
+            _greedy([r.layer for r in ranked], measure, max_drop_pp, trail)
+        elif len(layers) <= EXACT_LAYERS:
+            ranking = _wide_ranking(self.model, cal, self.x, self.quality, start.value, reference, progress)
+            _greedy(ranking, measure, max_drop_pp, trail)
+        else:
+            _prefix_search(
+                _fast_wide_ranking(self.model, self.dataset, self.samples, layers), measure, max_drop_pp, trail
+            )
+        self.frontier.extend(trail[1:])
+
+
+def _record(model_path, data: str, max_drop_pp, tgt, quality, fp32: dict, best, frontier, meeting) -> dict:
+    """plan.json of a target plan: what convert reads (layers, ranges, fallback) and what was weighed."""
+    return {
+        "kind": "edgeq.plan",
+        "model": str(model_path),
+        "data": data,
+        "budget": max_drop_pp,
+        "met": bool(meeting),
+        "target": tgt.to_dict(),
+        "fallback": "int16" if best.wide_layers or best.way == LITERT_INT8 else "float",
+        "way": best.way,
+        "label_free": quality.label_free,
+        "fp32_value": fp32["value"],
+        "fp32": {k: fp32[k] for k in ("value", "latency_ms", "size_bytes")},
+        "int8_value": next((p.value for p in frontier if p.way == "int8"), None),
+        "value": best.value,
+        "worse_by": best.worse_by,
+        "size_bytes": best.size_bytes,
+        "latency_ms": best.latency_ms,
+        "granularity": "per-channel",
+        "ranges": best.ranges,
+        "layers": {
+            **{name: "float" for name in best.float_layers},
+            **{name: {"activation_bits": 16} for name in best.wide_layers},
+        },
+        "chosen": frontier.index(best),
+        "faster_than_fp32": best.latency_ms < fp32["latency_ms"],
+        "frontier": [asdict(p) for p in frontier],
+    }
+
+
+def _commands(model_path, data: str, out, best: PlanPoint, tgt, met: bool, label_free: bool) -> dict:
+    """What to run next: the conversion that builds the chosen model, or the QAT the budget needs."""
+    edgetpu = " --edgetpu" if tgt.name == "edgetpu" else ""
+    if best.wide_layers or best.way == LITERT_INT8:
+        convert = f"edgeq convert {model_path} --int8-only --plan {out} --calib {data}{edgetpu}"
+    elif best.float_layers:
+        convert = f"edgeq convert {model_path} --int8 --plan {out} --calib {data}"
+    else:
+        convert = f"edgeq convert {model_path} --int8-only --ptq {best.ranges} --calib {data}{edgetpu}"
+    commands = {"convert": convert}
+    if not met:
+        distill = " --distill" if label_free else ""
+        commands["qat"] = f"edgeq train {model_path} --data {data} --epochs 0 --qat-epochs {QAT_EPOCHS}{distill}"
+    return commands
