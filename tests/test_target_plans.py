@@ -123,7 +123,7 @@ def test_npu16x8_plan_picks_int16_islands_and_the_edge_tpu_plan_only_ranges(cli,
     assert not (tmp_path / "x.json").exists()
 
 
-def test_targets_are_data_and_a_users_target_file_is_checked(tmp_path):
+def test_targets_are_data_and_a_users_target_file_is_checked(cli, tmp_path):
     assert load_target("cpu").fallbacks == ("float", "int16")
     assert load_target("npu16x8").fallbacks == ("int16",) and load_target("edgetpu").fallbacks == ()
     mine = tmp_path / "mine.toml"
@@ -143,3 +143,8 @@ def test_targets_are_data_and_a_users_target_file_is_checked(tmp_path):
     with pytest.raises(UsageError, match="cpu, edgetpu, npu16x8"):
         load_target("gpu")
     assert np.all([load_target(n).runs[0] == "int8" for n in ("cpu", "edgetpu", "npu16x8")])
+    base = ("analyze", "plan", "m.keras", "--data", "digits", "--max-drop", "1", "--out", tmp_path / "p.json")
+    assert_one_line_error(cli(*base, "--on", "pi"), "--on", "--target")
+    assert_one_line_error(cli(*base, "--target", "gpu"), "cpu, edgetpu, npu16x8")
+    assert_one_line_error(cli(*base, "--target", str(mine)), "not valid TOML")
+    assert not (tmp_path / "p.json").exists()

@@ -25,6 +25,7 @@ SECTIONS = (
     "keras",
     "ptq",
     "mixed",
+    "speed",
     "tasks",
     "detection",
     "pretrained",

@@ -45,7 +45,7 @@ WAYS = {"float": "float islands", "int16": "int16 islands"}
 LITERT_INT8 = (
     "int8 (LiteRT Quantizer)"  # full int8 as the int16 islands' engine builds it: its own graph, its own speed
 )
-# Candidates this close to the fastest are as fast, within the noise of a median: the smallest of them is kept
+# Candidates this close to the fastest are as fast, within the noise of a median: the most accurate of them is kept
 SAME_SPEED = 0.05
 QAT_EPOCHS = 3
 
@@ -93,7 +93,7 @@ def make_target_plan(
     quality = quality_of(model, described, dataset, split, task_spec)
     outputs: dict[tuple, object] = {}
     frontier: list[PlanPoint] = []
-    search = _Search(model, dataset, x, quality, samples, timer, frontier, outputs)
+    search = _Search(model, dataset, x, quality, samples, timer, frontier, outputs, progress)
     for method in (ranges,) if ranges else ACTIVATION_METHODS:
         search.int8(method)
     fp32 = search.fp32
@@ -105,7 +105,7 @@ def make_target_plan(
     if meeting:
         fastest = min(p.latency_ms for p in meeting)
         tied = [p for p in meeting if p.latency_ms <= fastest * (1 + SAME_SPEED)]
-        best = min(tied, key=lambda p: (p.size_bytes, len(p.changed), p.latency_ms))
+        best = min(tied, key=lambda p: (p.worse_by, p.size_bytes, len(p.changed), p.latency_ms))
     else:
         best = min(frontier, key=lambda p: (p.worse_by, p.latency_ms))
     _check_layer_names(model, model_path, best)
@@ -151,10 +151,11 @@ def _key(point: PlanPoint) -> tuple:
 class _Search:
     """The candidates of one plan: each quantized, scored, timed, kept on the frontier."""
 
-    def __init__(self, model, dataset, x, quality, samples, timer, frontier, outputs):
+    def __init__(self, model, dataset, x, quality, samples, timer, frontier, outputs, progress=None):
         self.model, self.dataset, self.x, self.quality = model, dataset, x, quality
         self.samples, self.timer, self.frontier, self.outputs = samples, timer, frontier, outputs
         self.calibrated: dict[str, object] = {}
+        self.progress = progress or (lambda _: None)
         self.fp32: dict = {}
 
     def _measurer(self, cal, fallback: str, method: str, way: str):
@@ -163,6 +164,7 @@ class _Search:
         def measured(layers: list[str]) -> PlanPoint:
             point = measure(layers)
             self.outputs[_key(point)] = seen[point.changed]
+            self.progress(point.way)
             return point
 
         return reference, measured

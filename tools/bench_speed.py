@@ -1,0 +1,240 @@
+"""Plans that weigh speed, for BENCHMARKS.md: the `cpu` plan against FP32, PTQ and QAT on trained architectures.
+
+keras.applications EfficientNetB0 and MobileNetV3Small, each trained from scratch at 32x32 on
+bench_ptq's photo task (6,000 samples; the test split holds 1,199), as bench_mixed trains them.
+For each: the FP32 .tflite, converter PTQ, `--ptq auto`, the `cpu` plan at 1 pp
+(`analyze plan --target cpu --max-drop 1` on the val split, then the conversion the plan names),
+QAT with labels and label-free QAT (distilled from the FP32 model), 3 QAT epochs each. Every
+model is scored on the test split against the FP32 model on the same samples: accuracy, the
+paired difference with a bootstrap 95% interval, top-1 agreement with FP32, size and one-thread
+XNNPACK latency (edgeq's profile, median of 100 runs).
+
+`python tools/bench.py --only speed` (env EDGEQ_BENCH_SPEED_ARCHS=..., EDGEQ_BENCH_CACHE=DIR keeps the
+trained FP32 models and each finished row; EDGEQ_BENCH_SPEED_STEPS=plan,qat_distill re-measures those).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ARCHS = os.environ.get("EDGEQ_BENCH_SPEED_ARCHS", "EfficientNetB0,MobileNetV3Small").split(",")
+SAMPLES = 6000
+BUDGET_PP = 1.0
+QAT_EPOCHS = 3
+STEPS = ("fp32", "ptq", "auto", "plan", "qat", "qat_distill")
+LABELS = {
+    "fp32": "FP32 (.tflite)",
+    "ptq": "converter PTQ",
+    "auto": "`--ptq auto`",
+    "plan": "`cpu` plan, 1 pp",
+    "qat": "QAT, labels",
+    "qat_distill": "QAT, label-free",
+}
+
+
+def _scored(path: Path, fp32_correct, fp32_answers, x, y) -> dict:
+    from bench_mixed import _score
+
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    row = _score(path, fp32_correct, x, y)
+    answers = TFLiteModel(path, use_default_delegates=False).predict(x, batch_size=1).argmax(-1)
+    row["agreement"] = round(100 * float((answers == fp32_answers).mean()), 2)
+    return row
+
+
+def _plan(fp32: Path, data: str, folder: Path) -> tuple[dict, dict]:
+    """The cpu plan at BUDGET_PP and the options of the conversion it names."""
+    from edgeq.analyze.speed import make_target_plan
+
+    start = time.perf_counter()
+    plan = make_target_plan(fp32, data, BUDGET_PP, folder / "plan.json", "cpu", samples=200)
+    record = json.loads(plan.path.read_text())
+    best = plan.best
+    if best.wide_layers or best.way == "int8 (LiteRT Quantizer)":
+        options = {"mode": "int8-only", "plan": str(plan.path)}
+    elif best.float_layers:
+        options = {"mode": "int8", "plan": str(plan.path)}
+    else:
+        options = {"mode": "int8-only", "ptq": best.ranges}
+    summary = {
+        "met": plan.met,
+        "way": best.way,
+        "ranges": best.ranges,
+        "moved": len(best.changed),
+        "val_worse_by": best.worse_by,
+        "val_latency_ms": best.latency_ms,
+        "fp32_val_latency_ms": record["fp32"]["latency_ms"],
+        "candidates": len(plan.frontier),
+        "seconds": round(time.perf_counter() - start, 1),
+        "frontier": [
+            {k: p[k] for k in ("way", "ranges", "worse_by", "latency_ms", "size_bytes")}
+            | {"moved": len(p["float_layers"]) + len(p["wide_layers"])}
+            for p in record["frontier"]
+        ],
+    }
+    return summary, options
+
+
+def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
+    from bench_mixed import _fp32
+    from bench_ptq import RAW_PIXELS
+
+    from edgeq.convert.options import ConvertOptions
+    from edgeq.convert.run import convert
+    from edgeq.data.sources import load_dataset
+    from edgeq.models.load import load_keras_model
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
+
+    data = raw if name in RAW_PIXELS else photos
+    x, y = load_dataset(data).split("test")
+    cache = Path(os.environ.get("EDGEQ_BENCH_CACHE") or folder)
+    cache.mkdir(parents=True, exist_ok=True)
+    saved = cache / f"{name}_speed_row.json"
+    row: dict = json.loads(saved.read_text()) if saved.exists() else {}
+    row |= {"model": name, "test_samples": len(y)}
+    steps = [s for s in os.environ.get("EDGEQ_BENCH_SPEED_STEPS", ",".join(STEPS)).split(",") if s]
+    fp32 = _fp32(name, data, cache)
+    fp32_answers = load_keras_model(fp32).predict(x, batch_size=128, verbose=0).argmax(-1)
+    fp32_correct = (fp32_answers == y).astype(float)
+    row["fp32_keras_value"] = round(100 * fp32_correct.mean(), 2)
+
+    def converted(key: str, source, **options) -> None:
+        out = folder / f"{name}_{key}.tflite"
+        start = time.perf_counter()
+        mode = options.pop("mode", "int8-only")
+        try:
+            convert(source, out, ConvertOptions(mode=mode, calib=data, min_sqnr_db=-1000.0, **options))
+        except Exception as exc:  # a row says what failed; the others still run
+            row[key] = {"error": str(exc).splitlines()[0][:200]}
+            print(name, key, "failed:", row[key]["error"], flush=True)
+            return
+        row[key] = _scored(out, fp32_correct, fp32_answers, x, y) | {"seconds": round(time.perf_counter() - start, 1)}
+        print(name, key, json.dumps(row[key]), flush=True)
+
+    if "fp32" in steps:
+        converted("fp32", fp32, mode="fp32")
+    if "ptq" in steps:
+        converted("ptq", fp32, ptq="converter")
+    if "auto" in steps:
+        converted("auto", fp32, ptq="auto")
+    if "plan" in steps:
+        row["plan_search"], options = _plan(fp32, data, folder)
+        converted("plan", fp32, **options)
+    for key, distill in (("qat", False), ("qat_distill", True)):
+        if key in steps:
+            start = time.perf_counter()
+            run = train(
+                TrainConfig(
+                    model=str(fp32), data=data, out_dir=str(folder / f"{name}_{key}"), epochs=0,
+                    qat_epochs=QAT_EPOCHS, distill=distill,
+                )
+            )  # fmt: skip
+            seconds = round(time.perf_counter() - start, 1)
+            converted(key, run.qat_model)
+            row[key]["train_seconds"] = seconds
+    saved.write_text(json.dumps(row))
+    return row
+
+
+def measure() -> list[dict]:
+    from bench_ptq import _raw_pixels, teacher_photos
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        photos = teacher_photos(tmp, n=SAMPLES)
+        raw = _raw_pixels(photos, tmp)
+        for name in ARCHS:
+            rows.append(measure_arch(name, photos, raw, tmp))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _cell(r: dict | None) -> str:
+    if not r:
+        return "-"
+    if "error" in r:
+        return f"failed: {r['error']}"
+    low, high = r["interval95"]
+    return f"{r['accuracy']:.2f}% ({-r['worse_by']:+.2f}, {-high:+.2f}..{-low:+.2f})"
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| model | step | test accuracy (change vs FP32 pp, 95% CI) | agreement with FP32 | latency ms | size KiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for key in STEPS:
+            r = row.get(key)
+            if not r:
+                continue
+            agreement = f"{r['agreement']:.2f}%" if "agreement" in r else "-"
+            latency = f"{r['latency_ms']:.3f}" if "latency_ms" in r else "-"
+            size = f"{r['size_kib']:.1f}" if "size_kib" in r else "-"
+            lines.append(f"| {row['model']} | {LABELS[key]} | {_cell(r)} | {agreement} | {latency} | {size} |")
+    return lines
+
+
+def _findings(rows: list[dict]) -> list[str]:
+    lines = []
+    for row in rows:
+        plan, fp32, distilled = row.get("plan") or {}, row.get("fp32") or {}, row.get("qat_distill") or {}
+        search = row.get("plan_search") or {}
+        if "accuracy" in plan and "latency_ms" in fp32:
+            within = plan["interval95"][1] <= BUDGET_PP  # the drop's upper bound
+            lines.append(
+                f"- {row['model']}: the cpu plan chose {search.get('way')} ({search.get('ranges')} ranges, "
+                f"{search.get('moved')} layer(s) moved) from {search.get('candidates')} candidates in "
+                f"{search.get('seconds')} s; on test it is {plan['worse_by']:+.2f} pp worse than FP32 (95% CI "
+                f"{plan['interval95'][0]:+.2f}..{plan['interval95'][1]:+.2f}: {'within' if within else 'not within'} "
+                f"1 pp) at {plan['latency_ms']:.3f} ms vs FP32's {fp32['latency_ms']:.3f} ms "
+                f"({'faster' if plan['latency_ms'] < fp32['latency_ms'] else 'slower'})."
+            )
+        if "accuracy" in distilled:
+            met = distilled["worse_by"] <= BUDGET_PP or distilled["agreement"] >= 98.0
+            lines.append(
+                f"- {row['model']}: label-free QAT is {distilled['worse_by']:+.2f} pp worse than FP32 and agrees "
+                f"with it on {distilled['agreement']:.2f}% of the test samples (target: within 1 pp, or >= 98% "
+                f"agreement: {'met' if met else 'not met'})."
+            )
+    return lines
+
+
+def section(rows: list[dict]) -> str:
+    out = [
+        "## Plans that weigh speed: the `cpu` plan against FP32, PTQ and QAT",
+        "",
+        "`python tools/bench.py --only speed`. bench_ptq's photo task, 6,000 samples (test split: 1,199), each "
+        "architecture trained from scratch at 32x32 as in bench_mixed. The `cpu` plan: `edgeq analyze plan "
+        f"--target cpu --max-drop {BUDGET_PP:g}` on the val split (every range method at full int8, then float and "
+        "int16 islands from the best of them, each candidate timed on this CPU with profile's benchmark), then the "
+        f"conversion the plan names. QAT: `edgeq train FP32.keras --epochs 0 --qat-epochs {QAT_EPOCHS}`, with "
+        "labels or `--distill`. Cells: test accuracy (change vs the FP32 Keras model in pp, paired bootstrap 95% "
+        "interval over 1,000 resamples of the same samples); agreement: the share of test samples with FP32's "
+        "top-1 answer. Latency: `edgeq profile`, 1 thread, XNNPACK, median of 100 runs, this CPU.",
+        "",
+        *table(rows),
+        "",
+        *_findings(rows),
+        "",
+        "Plan searches: "
+        + "; ".join(f"{r['model']}: {json.dumps(r.get('plan_search', {}).get('frontier'))}" for r in rows),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def run() -> str:
+    return section(measure())
+
+
+if __name__ == "__main__":
+    print(run())
