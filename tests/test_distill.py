@@ -50,6 +50,22 @@ def test_qat_learns_the_fp32_models_outputs_when_the_data_has_no_labels(digits_r
     assert comparison["metric"] == "accuracy" and comparison["qat"]["value"] > 0.9  # agreement with FP32's classes
     assert "QAT" in result.output and "int8 on val" in result.output
 
+    # QAT fine-tuned in inference mode: every BatchNormalization still holds the FP32 model's moving statistics
+    from edgeq.models.load import load_user_model
+
+    assert run["quantization"]["batchnorm_during_qat"] == "frozen"
+    fp32_model, tuned = load_user_model(digits_run.fp32_model), load_user_model(out / "qat_float.keras")
+    norms = [la.name for la in fp32_model.layers if type(la).__name__ == "BatchNormalization"]
+    assert norms and all(
+        np.array_equal(a, b)
+        for name in norms
+        for a, b in zip(fp32_model.get_layer(name).get_weights()[2:], tuned.get_layer(name).get_weights()[2:])
+    )
+    # judged on val before and after each epoch (agreement with the teacher); the best epoch is kept
+    (stage,) = json.loads((out / "history.json").read_text())["stages"]
+    judged = [e["val_judged"] for e in stage["epochs"]]
+    assert len(judged) == 1 and stage["kept_epoch"] in (0, 1) and 0.9 < judged[0] <= 1.0
+
 
 def test_no_labels_refuses_fp32_epochs_and_reference_models(digits_run, unlabelled, tmp_path, cli):
     npz, _ = unlabelled

@@ -55,6 +55,15 @@ def _model_options(values: tuple[str, ...]) -> dict:
     help="Fold BatchNormalization into the conv/dense before QAT (default: only with per-tensor).",
 )
 @click.option(
+    "--qat-bn",
+    "qat_bn",
+    type=click.Choice(["frozen", "batch"]),
+    default="frozen",
+    show_default=True,
+    help="QAT fine-tunes with BatchNormalization frozen at the FP32 model's statistics and Dropout off (the "
+    "function it deploys), or with batch statistics and dropout, as TF-MOT trains.",
+)
+@click.option(
     "--init-ranges",
     type=click.Choice(["tfmot", "mse", "percentile", "entropy", "minmax"]),
     default="tfmot",

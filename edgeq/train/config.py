@@ -39,6 +39,9 @@ class TrainConfig:
     layer_config: str | None = None
     fold_bn: bool | None = None  # None: fold when per-tensor (the converter's fold is wrong there)
     init_ranges: str = "tfmot"  # QAT's activation ranges: TF-MOT's [-6, 6] start, or calibration by a method
+    # QAT's BatchNormalization and Dropout: "frozen" fine-tunes in inference mode (the FP32 model's BN statistics,
+    # no dropout), "batch" trains as TF-MOT does (batch statistics, dropout on)
+    qat_bn: str = "frozen"
     model_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     augment: str | None = None  # image augmentation while training: "flip", "crop" or "flip,crop"

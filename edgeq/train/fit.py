@@ -31,6 +31,7 @@ from edgeq.train.config import (
     restore_checkpoint,
     stage_start_name,
 )
+from edgeq.train.finetune import frozen_for_qat
 from edgeq.train.objectives import target_plan
 from edgeq.train.stages import (
     _compile,
@@ -112,6 +113,7 @@ def _run_record(config: TrainConfig, dist, out_dir: Path, f: dict) -> dict:
             "batchnorm_folded_before_qat": bool(f["fold_bn"]),
             "float_layers": schemes.float_layers(f["qat_model"]) if f["qat_model"] is not None else [],
             "initial_activation_ranges": {"method": config.init_ranges, "set_per_stage": f["initialized"]},
+            "batchnorm_during_qat": config.qat_bn,
             "final_ranges": f["ranges"],
         },
         "schedule": [s.to_dict() for s in f["stages"]],
@@ -267,15 +269,23 @@ def _run_stage(job: _Job, carried: _Carried, index: int, initial_epoch: int) -> 
             carried.initialized[stage.name] = set_here
     if job.dist.replicas > 1:
         synchronize_batchnorm(stage_model)
+    thaw = lambda: None  # noqa: E731
     if stage.kind == "fp32":
         _compile(stage_model, hp["learning_rate"], objs=objs)
     else:
         stage_objs = carried.teacher[1] if carried.teacher else objs
+        if config.qat_bn == "frozen":  # fine-tune the function that deploys (edgeq.train.finetune)
+            thaw = frozen_for_qat(stage_model)
         _compile(stage_model, hp["qat_learning_rate"], config.clip_norm, config.clip_value, stage_objs)
     if initial_epoch > 0:
         restore_checkpoint(stage_model, run.out_dir / "checkpoint", job.state)
     data = (job.dataset, job.plan, carried.teacher)
-    result = _fit_and_judge(stage_model, stage, index, initial_epoch, data, objs, config, hp, job.augment, run, job.bar)
+    try:
+        result = _fit_and_judge(
+            stage_model, stage, index, initial_epoch, data, objs, config, hp, job.augment, run, job.bar
+        )
+    finally:
+        thaw()  # the saved model and the weights copied back keep their layers' configuration
     carried.results.append(result)
     run.history[index]["final"] = {
         "val_value": result.val_value,

@@ -339,8 +339,11 @@ def _stage_metric(
     return metric, float(scores.get(metric, float("nan")))
 
 
-def _fit_stage(stage_model, stage, index, initial_epoch, train_data, steps, fit_set, fit_plan, hp, run, bar) -> None:
-    """Fit one stage from ``initial_epoch``; a NaN/inf loss stops it with what to try."""
+def _fit_stage(
+    stage_model, stage, index, initial_epoch, train_data, steps, fit_set, fit_plan, hp, run, bar, keep=None
+) -> None:
+    """Fit one stage from ``initial_epoch``; a NaN/inf loss stops it with what to try. ``keep``: a
+    finetune.KeepBest that judges each epoch and leaves the best weights in the model."""
     config = run.config
     val_data = (
         pipeline.split_dataset(fit_set, "val", hp["batch_size"], targets=fit_plan) if fit_set.count("val") else None
@@ -353,8 +356,10 @@ def _fit_stage(stage_model, stage, index, initial_epoch, train_data, steps, fit_
         initial_epoch=initial_epoch,
         steps_per_epoch=steps,
         verbose=0,
-        callbacks=[recorder],
+        callbacks=([keep] if keep is not None else []) + [recorder],  # keep's val_judged reaches the history
     )
+    if keep is not None and keep.best_epoch >= 0:
+        run.history[index]["kept_epoch"] = keep.best_epoch
     if recorder.diverged is not None:
         kept = "fp32.keras is saved, and " if (run.out_dir / FP32_NAME).exists() else ""
         hint = "--init-ranges tfmot or " if stage.kind == "qat" and config.init_ranges != "tfmot" else ""
@@ -433,10 +438,29 @@ def _fit_and_judge(
         batches = dict(training=True, seed=config.seed, augment=augment, epochs=epochs, targets=fit_plan)
         fit = pipeline.split_dataset(fit_set, "train", hp["batch_size"], **batches)
         steps = pipeline.steps_per_epoch(dataset, "train", hp["batch_size"])
-        _fit_stage(stage_model, stage, index, initial_epoch, fit, steps, fit_set, fit_plan, hp, run, bar)
+        keep = _keep_best(stage, data, objs, run) if stage.kind == "qat" else None
+        _fit_stage(stage_model, stage, index, initial_epoch, fit, steps, fit_set, fit_plan, hp, run, bar, keep)
     judged = (dataset, plan) if plan is not None else (teacher[0], teacher[2])
     by_keras = not (teacher and stage.kind == "qat")  # a distilled model has no Keras accuracy metric
     return _judge_stage(stage_model, stage, judged, objs, by_keras, plan is not None, time.perf_counter() - t0)
+
+
+def _keep_best(stage, data: tuple, objs, run):
+    """QAT's judge on val after each epoch (finetune.KeepBest): a distilled model against its teacher's
+    outputs (top-1 agreement for a classifier, which stops it once matched), else the task metric.
+    None where val is empty, or across workers (each would judge alone, out of step with the others)."""
+    from edgeq.train.finetune import MATCHED, KeepBest
+
+    dataset, plan, teacher = data
+    if dataset.count("val") == 0 or run.config.strategy == "multi-worker":
+        return None
+    judged, targets = (teacher[0], teacher[2]) if teacher else (dataset, plan)
+    classifier = objs[0].spec.kind == "classification" and len(objs) == 1
+
+    def judge(model):
+        return _stage_metric(model, judged, "val", objs, targets, by_keras=not teacher)
+
+    return KeepBest(judge, matched=MATCHED if teacher and classifier else None)
 
 
 def _progress_bar(stages, start_stage: int, start_epoch: int):
