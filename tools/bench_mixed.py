@@ -153,7 +153,9 @@ def _mixed(name, fp32, data, folder, row, converted) -> None:
     converted("mixed", fp32, plan=str(plan.path))
 
 
-def measure() -> list[dict]:
+def measure(archs=None, per_arch=None) -> list[dict]:
+    """``per_arch(name, photos, raw, folder)`` (this module's measure_arch by default) for each of ``archs``,
+    on the photo task written once into a scratch folder."""
     from bench_ptq import _raw_pixels, teacher_photos
 
     rows = []
@@ -161,8 +163,8 @@ def measure() -> list[dict]:
         tmp = Path(tmp)
         photos = teacher_photos(tmp, n=SAMPLES)
         raw = _raw_pixels(photos, tmp)
-        for name in ARCHS:
-            row = measure_arch(name, photos, raw, tmp)
+        for name in archs or ARCHS:
+            row = (per_arch or measure_arch)(name, photos, raw, tmp)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

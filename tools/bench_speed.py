@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def _plan(fp32: Path, data: str, folder: Path) -> tuple[dict, dict]:
         "candidates": len(plan.frontier),
         "seconds": round(time.perf_counter() - start, 1),
         "frontier": [
-            {k: p[k] for k in ("way", "ranges", "worse_by", "latency_ms", "size_bytes")}
+            {k: p[k] for k in ("way", "ranges", "worse_by", "worse_by_high", "latency_ms", "size_bytes")}
             | {"moved": len(p["float_layers"]) + len(p["wide_layers"])}
             for p in record["frontier"]
         ],
@@ -145,17 +144,10 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
 
 
 def measure() -> list[dict]:
-    from bench_ptq import _raw_pixels, teacher_photos
+    import bench_mixed
 
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        photos = teacher_photos(tmp, n=SAMPLES)
-        raw = _raw_pixels(photos, tmp)
-        for name in ARCHS:
-            rows.append(measure_arch(name, photos, raw, tmp))
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+    assert bench_mixed.SAMPLES == SAMPLES
+    return bench_mixed.measure(ARCHS, measure_arch)
 
 
 def _cell(r: dict | None) -> str:
@@ -184,27 +176,37 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _change(r: dict) -> str:
+    """A row's change vs FP32 as a reader says it: how many pp worse or better, with the drop's interval."""
+    low, high = r["interval95"]  # of the drop
+    word = "worse" if r["worse_by"] > 0 else "better"
+    return f"{abs(r['worse_by']):.2f} pp {word} than FP32 (drop 95% CI {low:+.2f}..{high:+.2f})"
+
+
 def _findings(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
         plan, fp32, distilled = row.get("plan") or {}, row.get("fp32") or {}, row.get("qat_distill") or {}
         search = row.get("plan_search") or {}
         if "accuracy" in plan and "latency_ms" in fp32:
-            within = plan["interval95"][1] <= BUDGET_PP  # the drop's upper bound
+            within = plan["worse_by"] <= BUDGET_PP
+            resolved = plan["interval95"][1] <= BUDGET_PP
+            faster = plan["latency_ms"] < fp32["latency_ms"]
             lines.append(
-                f"- {row['model']}: the cpu plan chose {search.get('way')} ({search.get('ranges')} ranges, "
-                f"{search.get('moved')} layer(s) moved) from {search.get('candidates')} candidates in "
-                f"{search.get('seconds')} s; on test it is {plan['worse_by']:+.2f} pp worse than FP32 (95% CI "
-                f"{plan['interval95'][0]:+.2f}..{plan['interval95'][1]:+.2f}: {'within' if within else 'not within'} "
-                f"1 pp) at {plan['latency_ms']:.3f} ms vs FP32's {fp32['latency_ms']:.3f} ms "
-                f"({'faster' if plan['latency_ms'] < fp32['latency_ms'] else 'slower'})."
+                f"- {row['model']}: the cpu plan {'met' if search.get('met') else 'did not meet'} the budget on val "
+                f"and chose {search.get('way')} ({search.get('ranges')} ranges, {search.get('moved')} layer(s) moved) "
+                f"from {search.get('candidates')} candidates in {search.get('seconds')} s. On test it is "
+                f"{_change(plan)}: {'within' if within else 'not within'} 1 pp"
+                f"{' (the interval resolves it)' if resolved else ' (the interval reaches past 1 pp: within noise)'}"
+                f"; {plan['latency_ms']:.3f} ms vs FP32's {fp32['latency_ms']:.3f} ms "
+                f"({'faster' if faster else 'slower'}, {fp32['latency_ms'] / plan['latency_ms']:.1f}x)."
             )
         if "accuracy" in distilled:
             met = distilled["worse_by"] <= BUDGET_PP or distilled["agreement"] >= 98.0
             lines.append(
-                f"- {row['model']}: label-free QAT is {distilled['worse_by']:+.2f} pp worse than FP32 and agrees "
-                f"with it on {distilled['agreement']:.2f}% of the test samples (target: within 1 pp, or >= 98% "
-                f"agreement: {'met' if met else 'not met'})."
+                f"- {row['model']}: label-free QAT is {_change(distilled)} and agrees with FP32 on "
+                f"{distilled['agreement']:.2f}% of the test samples (target: within 1 pp, or >= 98% agreement: "
+                f"{'met' if met else 'not met'} by the point estimate)."
             )
     return lines
 

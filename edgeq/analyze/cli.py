@@ -385,15 +385,22 @@ def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, 
     if result.met and not record["faster_than_fp32"]:
         click.echo(
             f"on {record['latency_on']} FP32 ({fp32['latency_ms']:.3g} ms) is faster than every quantized model that "
-            f"meets the budget (the chosen: {result.best.latency_ms:.3g} ms): int8 buys size here, not speed"
+            f"meets the budget (the chosen: {result.best.latency_ms:.3g} ms): int8 buys size here, not speed; "
+            f"for a model within the budget and faster, QAT: {record['commands']['qat']}"
         )
     click.echo(f"plan: {result.path}\nconvert: {record['commands']['convert']}")
+    if record["too_big"]:
+        raise QualityGateError(
+            f"no candidate within --max-drop {max_drop:g} is under --max-size {speed['max_size']} KiB: the smallest "
+            f"({result.best.way}) is {result.best.size_bytes / 1024:.1f} KiB; it is saved in {result.path}"
+        )
     if not result.met:
         row = metric(result.metric)
         raise QualityGateError(
             f"QAT needed: no PTQ candidate {record['target']['name']} runs meets --max-drop {max_drop:g} "
-            f"{row.change_label}; the best ({result.best.way}, {result.best.ranges} ranges) is "
-            f"{result.best.worse_by:.2f} {row.change_label} worse; run: {record['commands']['qat']}"
+            f"{row.change_label} with 95% confidence; the best ({result.best.way}, {result.best.ranges} ranges) is "
+            f"{result.best.worse_by:.2f} {row.change_label} worse (at most {result.best.worse_by_high:.2f}) on "
+            f"{result.samples} samples; run: {record['commands']['qat']}"
         )
 
 
@@ -406,19 +413,21 @@ def _target_table(result, record) -> str:
         f"{record['latency_on']}: {row.label} FP32 {row.show(result.fp32_value)}, budget {result.budget:g} {unit} "
         "worse" + (" (no labels: accuracy is top-1 agreement with FP32)" if result.label_free else "")
     )
-    rows = [("", "FP32", "-", "(none)", row.show(fp32["value"]), "+0.00", f"{fp32['latency_ms']:.3g}",
+    rows = [("", "FP32", "-", "(none)", row.show(fp32["value"]), "+0.00", "+0.00", f"{fp32['latency_ms']:.3g}",
              f"{fp32['size_bytes'] / 1024:.1f}")]  # fmt: skip
     for p in result.frontier:
         mark = "*" if p is result.best else ""
         rows.append(
             (mark, p.way, p.ranges, _names(p.changed) or "(none)", row.show(p.value), f"{p.worse_by:+.2f}",
-             f"{p.latency_ms:.3g}", f"{p.size_bytes / 1024:.1f}")
+             f"{p.worse_by_high:+.2f}", f"{p.latency_ms:.3g}", f"{p.size_bytes / 1024:.1f}")
         )  # fmt: skip
-    header = ["", "way", "ranges", "layers moved", row.label, f"worse by ({unit})", "latency ms", "size KiB"]
+    header = ["", "way", "ranges", "layers moved", row.label, f"worse by ({unit})", "at most (95%)", "latency ms",
+              "size KiB"]  # fmt: skip
     if record["target"]["name"] != "cpu" and record["latency_on"].startswith("this host"):
         name = record["target"]["name"]
         head += f"\n(this host's CPU times the candidates, not a {name}: time them there with --on DEVICE)"
-    return head + "\n" + table(header, rows) + "\n(* the chosen: the fastest that meets the budget)"
+    note = "(* the chosen: the fastest whose paired 95% interval lies within the budget: 'at most' <= budget)"
+    return head + "\n" + table(header, rows) + "\n" + note
 
 
 def _given(name: str) -> bool:

@@ -47,6 +47,7 @@ class PlanPoint:
     latency_ms: float | None = None  # median of one thread's runs where the plan timed it (--target)
     ranges: str | None = None  # the activation range method it was quantized with (--target tries several)
     way: str | None = None  # how it left int8 (--target): "int8", "float islands", "int16 islands"
+    worse_by_high: float | None = None  # the paired 95% interval's upper end of worse_by (--target judges by it)
 
     @property
     def changed(self) -> tuple[str, ...]:
@@ -78,59 +79,66 @@ def _weight_count(model, layers) -> int:
     return sum(int(model.get_layer(name).get_weights()[0].size) for name in layers)
 
 
-def _greedy(ranking: list[str], measure, max_drop_pp: float, frontier: list[PlanPoint]) -> None:
+def _point_meets(max_drop_pp: float):
+    return lambda point: point.worse_by <= max_drop_pp
+
+
+def _greedy(ranking: list[str], measure, max_drop_pp: float, frontier: list[PlanPoint], meets=None) -> None:
     """Move layers off int8 in ranking order until the budget holds, then give back what it does not need.
 
     Each layer's own gain misses interactions (two layers that are only good float together
     each gain nothing alone), so the greedy pass may move layers the budget does not need:
-    give back, last moved first, every one whose return to int8 still meets it.
+    give back, last moved first, every one whose return to int8 still meets it. ``meets(point)``:
+    whether a plan meets the budget (its point estimate by default).
     """
+    meets = meets or _point_meets(max_drop_pp)
     chosen: list[str] = []
     for layer in ranking:
-        if frontier[-1].worse_by <= max_drop_pp:
+        if meets(frontier[-1]):
             break
         chosen.append(layer)
         frontier.append(measure(chosen))
-    if len(chosen) > 1 and frontier[-1].worse_by <= max_drop_pp:
+    if len(chosen) > 1 and meets(frontier[-1]):
         for layer in reversed(chosen[:-1]):
             trial = [name for name in chosen if name != layer]
             point = measure(trial)
             frontier.append(point)
-            if point.worse_by <= max_drop_pp:
+            if meets(point):
                 chosen = trial
 
 
-def _prefix_search(ranking: list[str], measure, max_drop_pp: float, frontier: list[PlanPoint]) -> None:
+def _prefix_search(ranking: list[str], measure, max_drop_pp: float, frontier: list[PlanPoint], meets=None) -> None:
     """The shortest prefix of ``ranking`` that meets the budget, in O(log n) measurements: prefixes of
     1, 2, 4, ... layers until one meets it, then bisection between the last two (a model of hundreds
     of layers cannot afford a measurement per layer)."""
+    meets = meets or _point_meets(max_drop_pp)
     low, size = 0, 1
     while True:
         size = min(size, len(ranking))
         point = measure(ranking[:size])
         frontier.append(point)
-        if point.worse_by <= max_drop_pp or size == len(ranking):
+        if meets(point) or size == len(ranking):
             break
         low, size = size, size * 2
-    if point.worse_by > max_drop_pp:
+    if not meets(point):
         return
     high = size
     while high - low > 1:
         middle = (low + high) // 2
         point = measure(ranking[:middle])
         frontier.append(point)
-        if point.worse_by <= max_drop_pp:
+        if meets(point):
             high = middle
         else:
             low = middle
 
 
-def _fast_wide_ranking(model, dataset, samples: int, layers: list[str]) -> list[str]:
+def _fast_wide_ranking(model, dataset, samples: int, layers: list[str], cal=None) -> list[str]:
     """Layers by their worst op's own int8 error (the debugger's per-op channel SQNR, each op on float
-    inputs), worst first: one calibration pass, however many layers."""
+    inputs), worst first: one calibration pass (``cal``'s, when given), however many layers."""
     from edgeq.analyze.sensitivity import fast_sensitivity
 
-    cal = calibrate(model, dataset, samples)
+    cal = cal or calibrate(model, dataset, samples)
     ranked = [s.layer for s in fast_sensitivity(cal) if s.layer in layers]
     return ranked + [name for name in layers if name not in ranked]
 

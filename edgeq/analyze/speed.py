@@ -97,17 +97,22 @@ def make_target_plan(
     for method in (ranges,) if ranges else ACTIVATION_METHODS:
         search.int8(method)
     fp32 = search.fp32
-    base = min(frontier, key=lambda p: (p.worse_by, p.latency_ms))  # the ranges the islands start from
-    if base.worse_by > max_drop_pp:
+    meets = _meets(max_drop_pp)
+    base = min(frontier, key=lambda p: (_high(p), p.worse_by, p.latency_ms))  # the ranges the islands start from
+    if not meets(base):
         for way in ways:
-            search.islands(way, base.ranges, max_drop_pp, progress)
-    meeting = [p for p in frontier if p.worse_by <= max_drop_pp and (max_size is None or p.size_bytes <= max_size)]
-    if meeting:
+            search.islands(way, base.ranges, max_drop_pp, meets)
+    accurate = [p for p in frontier if meets(p)]
+    meeting = [p for p in accurate if max_size is None or p.size_bytes <= max_size]
+    if accurate and not meeting:  # the budget is met, the size is not: the smallest that meets the budget
+        best = min(accurate, key=lambda p: (p.size_bytes, p.latency_ms))
+    elif meeting:
         fastest = min(p.latency_ms for p in meeting)
         tied = [p for p in meeting if p.latency_ms <= fastest * (1 + SAME_SPEED)]
         best = min(tied, key=lambda p: (p.worse_by, p.size_bytes, len(p.changed), p.latency_ms))
     else:
         best = min(frontier, key=lambda p: (p.worse_by, p.latency_ms))
+    fast = best.latency_ms < fp32["latency_ms"]
     _check_layer_names(model, model_path, best)
     verdict = judge(
         quality.spec, fp32["reference"], outputs[_key(best)], quality.targets, quality.inputs, max_drop_pp,
@@ -119,7 +124,8 @@ def make_target_plan(
         samples=len(x),
         latency_on=getattr(timer, "where", "a device"),
         max_size_bytes=max_size,
-        commands=_commands(model_path, data, out, best, tgt, bool(meeting), quality.label_free),
+        commands=_commands(model_path, data, out, best, tgt, bool(meeting) and fast, quality.label_free),
+        too_big=bool(accurate) and not meeting,
         **_metric_fields(quality.metric),
     )
     out = Path(out)
@@ -130,6 +136,18 @@ def make_target_plan(
         f"{data} ({split})", round(time.perf_counter() - start, 3), best.way or "int8", quality.label_free,
         quality.metric, len(x), verdict,
     )  # fmt: skip
+
+
+def _high(point: PlanPoint) -> float:
+    high = point.worse_by_high
+    return float("inf") if high is None or high != high else high
+
+
+def _meets(max_drop_pp: float):
+    """A candidate meets the budget when its paired 95% interval does: the upper end of how much worse
+    it is stays within the budget. A point estimate within it is not enough: on 599 val samples a
+    trained EfficientNetB0's plan of 3 float layers was 0.67 pp worse there, and 3.09 pp on test."""
+    return lambda point: _high(point) <= max_drop_pp
 
 
 def _ways(tgt, fallback: str | None) -> tuple[str, ...]:
@@ -163,7 +181,10 @@ class _Search:
 
         def measured(layers: list[str]) -> PlanPoint:
             point = measure(layers)
-            self.outputs[_key(point)] = seen[point.changed]
+            out = self.outputs[_key(point)] = seen[point.changed]
+            q = self.quality
+            verdict = judge(q.spec, reference, out, q.targets, q.inputs, None, q.metric)
+            point = replace(point, worse_by_high=round(verdict.interval95[1], 4))
             self.progress(point.way)
             return point
 
@@ -185,7 +206,7 @@ class _Search:
             }
         self.frontier.append(measure([]))
 
-    def islands(self, fallback: str, method: str, max_drop_pp: float, progress) -> None:
+    def islands(self, fallback: str, method: str, max_drop_pp: float, meets) -> None:
         """The fewest layers moved to ``fallback`` that meet the budget, and the points on the way."""
         way = WAYS[fallback]
         if fallback == "int16":
@@ -200,18 +221,19 @@ class _Search:
             self.frontier.append(replace(start, way=LITERT_INT8))
             self.outputs[_key(self.frontier[-1])] = self.outputs[_key(start)]
         trail = [start]
-        layers = list(cal.layers)
-        if len(layers) <= EXACT_LAYERS and fallback == "float":
-            _, _, ranked = exact_sensitivity(cal, self.x, self.quality, progress)
+        # only the model's own layers: a plan file names layers, and convert --plan maps each one back
+        named = {layer.name for layer in self.model.layers}
+        layers = [name for name in cal.layers if name in named]
+        if len(cal.layers) <= EXACT_LAYERS and fallback == "float":
+            _, _, ranked = exact_sensitivity(cal, self.x, self.quality, self.progress)
             ranked.sort(key=lambda r: (-r.gain, -r.loss, -r.mse_only_this))
-            _greedy([r.layer for r in ranked], measure, max_drop_pp, trail)
-        elif len(layers) <= EXACT_LAYERS:
-            ranking = _wide_ranking(self.model, cal, self.x, self.quality, start.value, reference, progress)
-            _greedy(ranking, measure, max_drop_pp, trail)
+            _greedy([r.layer for r in ranked if r.layer in named], measure, max_drop_pp, trail, meets)
+        elif len(cal.layers) <= EXACT_LAYERS:
+            ranking = _wide_ranking(self.model, cal, self.x, self.quality, start.value, reference, self.progress)
+            _greedy([name for name in ranking if name in named], measure, max_drop_pp, trail, meets)
         else:
-            _prefix_search(
-                _fast_wide_ranking(self.model, self.dataset, self.samples, layers), measure, max_drop_pp, trail
-            )
+            ranking = _fast_wide_ranking(self.model, self.dataset, self.samples, layers, self.calibrated[method])
+            _prefix_search([name for name in ranking if name in named], measure, max_drop_pp, trail, meets)
         self.frontier.extend(trail[1:])
 
 
