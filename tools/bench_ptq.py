@@ -48,14 +48,14 @@ OPTIONS = {"MobileNetV3Small": {"include_preprocessing": False}}
 RAW_PIXELS = {"EfficientNetB0"}
 
 
-def _raw_pixels(data: str, folder: Path) -> str:
+def _raw_pixels(data: str, folder: Path, name: str = "raw255.npz") -> str:
     """The same synthetic samples as an npz of 0..255 floats (what EfficientNet's Rescaling expects)."""
     import numpy as np
 
     from edgeq.data.sources import load_dataset
 
     d = load_dataset(data)
-    path = folder / "raw255.npz"
+    path = folder / name
     x = np.concatenate([d.x_train, d.x_val, d.x_test]) * 255.0
     np.savez(path, x=x.astype(np.float32), y=np.concatenate([d.y_train, d.y_val, d.y_test]))
     return f"npz:{path}"
@@ -210,7 +210,10 @@ def measure() -> list[dict]:
     return rows
 
 
-def teacher_photos(folder: Path, n: int = 3000, size: int = 32, classes: int = 10, seed: int = 0) -> str:
+def teacher_photos(
+    folder: Path, n: int = 3000, size: int = 32, classes: int = 10, seed: int = 0, skip: int = 0,
+    name: str = "teacher_photos.npz",
+) -> str:  # fmt: skip
     """Crops of scikit-learn's two sample photos labelled by a fixed random CNN, as an npz source.
 
     Random crops (32 to 160 pixels a side, resized to ``size``, flipped half the time) give
@@ -218,6 +221,9 @@ def teacher_photos(folder: Path, n: int = 3000, size: int = 32, classes: int = 1
     about equally common, give labels a student can learn but with many samples near a
     decision boundary, where int8's error flips the answer. Nothing is downloaded: the photos
     ship with scikit-learn.
+
+    ``skip``: draw that many crops first and label with their per-class statistics, then keep only
+    the ``n`` after them: fresh samples of the same task as ``teacher_photos(n=skip)`` (more held-out data).
     """
     import numpy as np
     from PIL import Image
@@ -227,8 +233,9 @@ def teacher_photos(folder: Path, n: int = 3000, size: int = 32, classes: int = 1
 
     photos = load_sample_images().images
     rng = np.random.default_rng(seed)
-    x = np.empty((n, size, size, 3), np.float32)
-    for i in range(n):
+    total = skip + n
+    x = np.empty((total, size, size, 3), np.float32)
+    for i in range(total):
         photo = photos[i % len(photos)]
         side = int(rng.integers(size, 5 * size + 1))
         r, c = (int(rng.integers(0, dim - side + 1)) for dim in photo.shape[:2])
@@ -247,9 +254,10 @@ def teacher_photos(folder: Path, n: int = 3000, size: int = 32, classes: int = 1
         ]
     )
     logits = teacher.predict(x - 0.5, batch_size=256, verbose=0)
-    y = np.argmax((logits - logits.mean(0)) / (logits.std(0) + 1e-9), axis=1)
-    path = folder / "teacher_photos.npz"
-    np.savez(path, x=x, y=y.astype(np.int64))
+    stats = logits[:skip] if skip else logits
+    y = np.argmax((logits - stats.mean(0)) / (stats.std(0) + 1e-9), axis=1)
+    path = folder / name
+    np.savez(path, x=x[skip:], y=y[skip:].astype(np.int64))
     return f"npz:{path}"
 
 

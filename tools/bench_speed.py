@@ -25,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 ARCHS = os.environ.get("EDGEQ_BENCH_SPEED_ARCHS", "EfficientNetB0,MobileNetV3Small").split(",")
 SAMPLES = 6000
 BUDGET_PP = 1.0
+PLAN_SAMPLES = 10000  # fresh samples for the plan to measure on: their test split holds 2,000
 QAT_EPOCHS = 3
 STEPS = ("fp32", "ptq", "auto", "plan", "qat", "qat_distill")
 LABELS = {
@@ -48,12 +49,24 @@ def _scored(path: Path, fp32_correct, fp32_answers, x, y) -> dict:
     return row
 
 
+def _plan_data(name: str, folder: Path) -> str:
+    """PLAN_SAMPLES fresh samples of the same task (crops drawn after the SAMPLES the model saw, labelled
+    alike): a plan judges each candidate by its paired 95% interval, and 599 val samples cannot show
+    that a model is within 1 pp unless it agrees with FP32 on about 99% of them."""
+    from bench_ptq import RAW_PIXELS, _raw_pixels, teacher_photos
+
+    path = folder / "plan_photos.npz"
+    photos = f"npz:{path}" if path.exists() else teacher_photos(folder, PLAN_SAMPLES, skip=SAMPLES, name=path.name)
+    return _raw_pixels(photos, folder, "plan_raw255.npz") if name in RAW_PIXELS else photos
+
+
 def _plan(fp32: Path, data: str, folder: Path) -> tuple[dict, dict]:
-    """The cpu plan at BUDGET_PP and the options of the conversion it names."""
+    """The cpu plan at BUDGET_PP, measured on the test split of ``data`` (fresh samples), and the options
+    of the conversion it names."""
     from edgeq.analyze.speed import make_target_plan
 
     start = time.perf_counter()
-    plan = make_target_plan(fp32, data, BUDGET_PP, folder / "plan.json", "cpu", samples=200)
+    plan = make_target_plan(fp32, data, BUDGET_PP, folder / "plan.json", "cpu", samples=200, split="test")
     record = json.loads(plan.path.read_text())
     best = plan.best
     if best.wide_layers or best.way == "int8 (LiteRT Quantizer)":
@@ -125,7 +138,7 @@ def measure_arch(name: str, photos: str, raw: str, folder: Path) -> dict:
     if "auto" in steps:
         converted("auto", fp32, ptq="auto")
     if "plan" in steps:
-        row["plan_search"], options = _plan(fp32, data, folder)
+        row["plan_search"], options = _plan(fp32, _plan_data(name, folder), folder)
         converted("plan", fp32, **options)
     for key, distill in (("qat", False), ("qat_distill", True)):
         if key in steps:
@@ -217,9 +230,11 @@ def section(rows: list[dict]) -> str:
         "",
         "`python tools/bench.py --only speed`. bench_ptq's photo task, 6,000 samples (test split: 1,199), each "
         "architecture trained from scratch at 32x32 as in bench_mixed. The `cpu` plan: `edgeq analyze plan "
-        f"--target cpu --max-drop {BUDGET_PP:g}` on the val split (every range method at full int8, then float and "
-        "int16 islands from the best of them, each candidate timed on this CPU with profile's benchmark), then the "
-        f"conversion the plan names. QAT: `edgeq train FP32.keras --epochs 0 --qat-epochs {QAT_EPOCHS}`, with "
+        f"--target cpu --max-drop {BUDGET_PP:g}` (every range method at full int8, then float and int16 islands "
+        "from the best of them, each candidate timed on this CPU with profile's benchmark and judged by the upper "
+        f"end of its paired 95% interval) on 2,000 fresh samples of the task ({PLAN_SAMPLES:,} drawn after the "
+        "6,000, labelled alike; their test split), then the conversion the plan names, scored on the original "
+        "test split. QAT: `edgeq train FP32.keras --epochs 0 --qat-epochs {QAT_EPOCHS}`, with "
         "labels or `--distill`. Cells: test accuracy (change vs the FP32 Keras model in pp, paired bootstrap 95% "
         "interval over 1,000 resamples of the same samples); agreement: the share of test samples with FP32's "
         "top-1 answer. Latency: `edgeq profile`, 1 thread, XNNPACK, median of 100 runs, this CPU.",

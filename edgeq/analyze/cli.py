@@ -388,6 +388,13 @@ def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, 
             f"meets the budget (the chosen: {result.best.latency_ms:.3g} ms): int8 buys size here, not speed; "
             f"for a model within the budget and faster, QAT: {record['commands']['qat']}"
         )
+    if record.get("unresolved_faster") is not None:
+        p = result.frontier[record["unresolved_faster"]]
+        click.echo(
+            f"faster, and within the budget by its point estimate only: {p.way} ({p.ranges} ranges) at "
+            f"{p.latency_ms:.3g} ms, {p.worse_by:+.2f} {metric(result.metric).change_label} but at most "
+            f"{p.worse_by_high:+.2f} on {result.samples} samples: more samples would show whether it meets the budget"
+        )
     click.echo(f"plan: {result.path}\nconvert: {record['commands']['convert']}")
     if record["too_big"]:
         raise QualityGateError(

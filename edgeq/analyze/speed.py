@@ -126,6 +126,7 @@ def make_target_plan(
         max_size_bytes=max_size,
         commands=_commands(model_path, data, out, best, tgt, bool(meeting) and fast, quality.label_free),
         too_big=bool(accurate) and not meeting,
+        unresolved_faster=_unresolved_faster(frontier, best, max_drop_pp, max_size),
         **_metric_fields(quality.metric),
     )
     out = Path(out)
@@ -148,6 +149,14 @@ def _meets(max_drop_pp: float):
     it is stays within the budget. A point estimate within it is not enough: on 599 val samples a
     trained EfficientNetB0's plan of 3 float layers was 0.67 pp worse there, and 3.09 pp on test."""
     return lambda point: _high(point) <= max_drop_pp
+
+
+def _unresolved_faster(frontier, best: PlanPoint, max_drop_pp: float, max_size) -> int | None:
+    """The fastest candidate faster than ``best`` that is within the budget by its point estimate alone
+    (its interval reaches past it: more samples would tell), as its index on the frontier."""
+    small = [p for p in frontier if max_size is None or p.size_bytes <= max_size]
+    faster = [p for p in small if p.latency_ms < best.latency_ms and p.worse_by <= max_drop_pp]
+    return frontier.index(min(faster, key=lambda p: p.latency_ms)) if faster else None
 
 
 def _ways(tgt, fallback: str | None) -> tuple[str, ...]:
