@@ -206,7 +206,8 @@ def _findings(rows: list[dict]) -> list[str]:
             resolved = plan["interval95"][1] <= BUDGET_PP
             faster = plan["latency_ms"] < fp32["latency_ms"]
             lines.append(
-                f"- {row['model']}: the cpu plan {'met' if search.get('met') else 'did not meet'} the budget on its 2,000 samples "
+                f"- {row['model']}: the cpu plan {'met' if search.get('met') else 'did not meet'} the budget on its "
+                "2,000 samples "
                 f"and chose {search.get('way')} ({search.get('ranges')} ranges, {search.get('moved')} layer(s) moved) "
                 f"from {search.get('candidates')} candidates in {search.get('seconds')} s. On test it is "
                 f"{_change(plan)}: {'within' if within else 'not within'} 1 pp"
