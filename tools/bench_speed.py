@@ -164,12 +164,9 @@ def measure() -> list[dict]:
 
 
 def _cell(r: dict | None) -> str:
-    if not r:
-        return "-"
-    if "error" in r:
-        return f"failed: {r['error']}"
-    low, high = r["interval95"]
-    return f"{r['accuracy']:.2f}% ({-r['worse_by']:+.2f}, {-high:+.2f}..{-low:+.2f})"
+    from bench_mixed import _cell as mixed_cell
+
+    return mixed_cell(r) if r else "-"
 
 
 def table(rows: list[dict]) -> list[str]:
