@@ -382,11 +382,12 @@ def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, 
         save_frontier_chart(result, plot_path, fp32=record["fp32"])
     click.echo(f"chosen plan: {Verdict.from_dict(result.verdict).line()}")
     fp32 = record["fp32"]
-    if result.met and not record["faster_than_fp32"]:
+    if record["slower_than_fp32"]:
+        qat = record["commands"].get("qat")
         click.echo(
             f"on {record['latency_on']} FP32 ({fp32['latency_ms']:.3g} ms) is faster than every quantized model that "
-            f"meets the budget (the chosen: {result.best.latency_ms:.3g} ms): int8 buys size here, not speed; "
-            f"for a model within the budget and faster, QAT: {record['commands']['qat']}"
+            f"meets the budget (the chosen: {result.best.latency_ms:.3g} ms): "
+            + (f"faster ones miss the budget; QAT may reach both: {qat}" if qat else "int8 buys size here, not speed")
         )
     if record.get("unresolved_faster") is not None:
         p = result.frontier[record["unresolved_faster"]]

@@ -112,7 +112,9 @@ def make_target_plan(
         best = min(tied, key=lambda p: (p.worse_by, p.size_bytes, len(p.changed), p.latency_ms))
     else:
         best = min(frontier, key=lambda p: (p.worse_by, p.latency_ms))
-    fast = best.latency_ms < fp32["latency_ms"]
+    # slower than FP32 beyond a median's noise, while a faster candidate missed the budget: QAT may reach both
+    slow = best.latency_ms > fp32["latency_ms"] * (1 + SAME_SPEED)
+    qat_may_help = slow and any(p.latency_ms < fp32["latency_ms"] for p in frontier if p not in meeting)
     _check_layer_names(model, model_path, best)
     verdict = judge(
         quality.spec, fp32["reference"], outputs[_key(best)], quality.targets, quality.inputs, max_drop_pp,
@@ -124,7 +126,8 @@ def make_target_plan(
         samples=len(x),
         latency_on=getattr(timer, "where", "a device"),
         max_size_bytes=max_size,
-        commands=_commands(model_path, data, out, best, tgt, bool(meeting) and fast, quality.label_free),
+        commands=_commands(model_path, data, out, best, tgt, bool(meeting) and not qat_may_help, quality.label_free),
+        slower_than_fp32=bool(meeting) and slow,
         too_big=bool(accurate) and not meeting,
         unresolved_faster=_unresolved_faster(frontier, best, max_drop_pp, max_size),
         **_metric_fields(quality.metric),
