@@ -1,6 +1,6 @@
 """`analyze plan --target`: plans that weigh speed on the target as well as accuracy.
 
-The model is the outlier digits CNN of test_analyze, seen at 32x32 (an UpSampling2D first): one
+The model is the outlier digits CNN of test_analyze, seen at 16x16 (an UpSampling2D first): one
 conv1 channel x1000, compensated in conv2, so full int8 misses a 2 pp budget, and maps large
 enough that LiteRT's 16x8 reference kernels are many times slower than XNNPACK's float ones.
 """
@@ -22,16 +22,16 @@ FACTOR = 1000.0
 def _outlier_cnn(conv1_filters: int):
     L = keras.layers
     inputs = L.Input((8, 8, 1), name="input")
-    h = L.UpSampling2D(4, name="up")(inputs)
+    h = L.UpSampling2D(2, name="up")(inputs)
     h = L.Conv2D(conv1_filters, 3, padding="same", activation="relu", name="conv1")(h)
     h = L.Conv2D(32, 3, padding="same", activation="relu", name="conv2")(h)
-    h = L.MaxPooling2D(4, name="pool")(h)
+    h = L.MaxPooling2D(2, name="pool")(h)
     h = L.Conv2D(32, 3, padding="same", activation="relu", name="conv3")(h)
     return keras.Model(inputs, L.Dense(10, activation="softmax", name="head")(L.GlobalAveragePooling2D(name="gap")(h)))
 
 
 @pytest.fixture(scope="module")
-def outlier32(tmp_path_factory):
+def outlier16(tmp_path_factory):
     """Trained with 16 conv1 filters, then given a 17th: filter 0 x1000, which conv2 reads with zero
     weights. The FP32 function is unchanged and every weight tensor keeps its scale; only conv1's
     activations span 1000x their useful range, which 16 bits resolve and 8 do not."""
@@ -52,7 +52,7 @@ def outlier32(tmp_path_factory):
     model.get_layer("conv2").set_weights([np.concatenate([w2, np.zeros_like(w2[:, :, :1])], 2), b2])
     same = np.abs(model.predict(d.x_test, verbose=0) - trained.predict(d.x_test, verbose=0)).max()
     assert same < 1e-4, same
-    path = tmp_path_factory.mktemp("outlier32") / "outlier32.keras"
+    path = tmp_path_factory.mktemp("outlier16") / "outlier16.keras"
     model.save(path)
     return path
 
@@ -65,8 +65,8 @@ def _plan(cli, model, tmp_path, name: str, *extra):
     return result, saved
 
 
-def test_cpu_plan_times_every_candidate_and_keeps_the_fastest_float_islands(cli, outlier32, tmp_path):
-    result, saved = _plan(cli, outlier32, tmp_path, "cpu", "--target", "cpu", "--ranges", "minmax",
+def test_cpu_plan_times_every_candidate_and_keeps_the_fastest_float_islands(cli, outlier16, tmp_path):
+    result, saved = _plan(cli, outlier16, tmp_path, "cpu", "--target", "cpu", "--ranges", "minmax",
                           "--plot", tmp_path / "cpu.png")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert saved["met"] and saved["target"]["name"] == "cpu" and saved["verdict"]["interval95"][1] <= 2
@@ -101,15 +101,15 @@ def test_cpu_plan_times_every_candidate_and_keeps_the_fastest_float_islands(cli,
     assert shown.exit_code == 0 and "latency" in page and "FP32" in page and "float islands" in page
 
 
-def test_npu16x8_plan_picks_int16_islands_and_the_edge_tpu_plan_only_ranges(cli, outlier32, tmp_path):
-    result, saved = _plan(cli, outlier32, tmp_path, "npu", "--target", "npu16x8", "--ranges", "minmax")
+def test_npu16x8_plan_picks_int16_islands_and_the_edge_tpu_plan_only_ranges(cli, outlier16, tmp_path):
+    result, saved = _plan(cli, outlier16, tmp_path, "npu", "--target", "npu16x8", "--ranges", "minmax")
     assert result.exit_code == 0, result.output
     assert saved["way"] == "int16 islands" and saved["met"], saved["frontier"]
     assert saved["layers"] and all(v == {"activation_bits": 16} for v in saved["layers"].values())
     assert {p["way"] for p in saved["frontier"]} == {"int8", "int8 (LiteRT Quantizer)", "int16 islands"}
     assert "--int8-only --plan" in saved["commands"]["convert"]
 
-    result, saved = _plan(cli, outlier32, tmp_path, "tpu", "--target", "edgetpu")
+    result, saved = _plan(cli, outlier16, tmp_path, "tpu", "--target", "edgetpu")
     points = saved["frontier"]
     assert {p["way"] for p in points} == {"int8"} and not any(p["float_layers"] or p["wide_layers"] for p in points)
     assert {p["ranges"] for p in points} == {"minmax", "percentile", "mse", "entropy"}  # every range method tried
@@ -118,11 +118,11 @@ def test_npu16x8_plan_picks_int16_islands_and_the_edge_tpu_plan_only_ranges(cli,
         assert result.exit_code == 0, result.output
     else:
         assert_one_line_error(result, "QAT needed", "edgeq train", "--qat-epochs")
-    result, saved = _plan(cli, outlier32, tmp_path, "small", "--target", "edgetpu", "--ranges", "entropy",
+    result, saved = _plan(cli, outlier16, tmp_path, "small", "--target", "edgetpu", "--ranges", "entropy",
                           "--max-drop", "100", "--max-size", "1")  # fmt: skip
     assert not saved["met"] and saved["too_big"] and saved["max_size_bytes"] == 1024
     assert_one_line_error(result, "--max-size 1 KiB", "KiB")
-    refused = cli("analyze", "plan", outlier32, "--data", "digits", "--max-drop", "2", "--out", tmp_path / "x.json",
+    refused = cli("analyze", "plan", outlier16, "--data", "digits", "--max-drop", "2", "--out", tmp_path / "x.json",
                   "--target", "edgetpu", "--fallback", "int16")  # fmt: skip
     assert_one_line_error(refused, "edgetpu", "int16")
     assert not (tmp_path / "x.json").exists()
