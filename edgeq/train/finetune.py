@@ -9,8 +9,9 @@
   answers with batch statistics and dropout, and lost 6.2 pp of test accuracy (76.5% agreement)
   when it ran with its moving statistics; in inference mode, 0.2 pp (88.1%).
 - **The best epoch is kept**: after each epoch QAT is judged on val (a distilled model by top-1
-  agreement with its teacher, or its output error against the teacher's), the start included,
-  and the best weights are the stage's result. A distilled model that matches its teacher on
+  agreement with its teacher, or its output error against the teacher's; a distilled model's
+  start included), and the best weights are the stage's result (one labelled epoch: nothing to
+  choose between, no judging). A distilled model that matches its teacher on
   val (``MATCHED``) stops there: it has nothing left to learn from it.
 """
 
@@ -65,9 +66,9 @@ class KeepBest(keras.callbacks.Callback):
     with its teacher), or None.
     """
 
-    def __init__(self, judge, higher: bool | None = None, matched: float | None = None):
+    def __init__(self, judge, higher: bool | None = None, matched: float | None = None, from_start: bool = True):
         super().__init__()
-        self.judge, self.higher, self.matched = judge, higher, matched
+        self.judge, self.higher, self.matched, self.from_start = judge, higher, matched, from_start
         self.best: float | None = None
         self.best_epoch = self.last_epoch = -1
         self.weights = None
@@ -88,7 +89,8 @@ class KeepBest(keras.callbacks.Callback):
         return value
 
     def on_train_begin(self, logs=None):
-        self._consider(self.params.get("initial_epoch", 0) if self.params else 0)
+        if self.from_start:
+            self._consider(self.params.get("initial_epoch", 0) if self.params else 0)
 
     def on_epoch_end(self, epoch, logs=None):
         value = self._consider(epoch + 1)

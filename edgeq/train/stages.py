@@ -438,21 +438,25 @@ def _fit_and_judge(
         batches = dict(training=True, seed=config.seed, augment=augment, epochs=epochs, targets=fit_plan)
         fit = pipeline.split_dataset(fit_set, "train", hp["batch_size"], **batches)
         steps = pipeline.steps_per_epoch(dataset, "train", hp["batch_size"])
-        keep = _keep_best(stage, data, objs, run) if stage.kind == "qat" else None
+        keep = _keep_best(stage, data, objs, run, initial_epoch) if stage.kind == "qat" else None
         _fit_stage(stage_model, stage, index, initial_epoch, fit, steps, fit_set, fit_plan, hp, run, bar, keep)
     judged = (dataset, plan) if plan is not None else (teacher[0], teacher[2])
     by_keras = not (teacher and stage.kind == "qat")  # a distilled model has no Keras accuracy metric
     return _judge_stage(stage_model, stage, judged, objs, by_keras, plan is not None, time.perf_counter() - t0)
 
 
-def _keep_best(stage, data: tuple, objs, run):
+def _keep_best(stage, data: tuple, objs, run, initial_epoch: int = 0):
     """QAT's judge on val after each epoch (finetune.KeepBest): a distilled model against its teacher's
-    outputs (top-1 agreement for a classifier, which stops it once matched), else the task metric.
-    None where val is empty, or across workers (each would judge alone, out of step with the others)."""
+    outputs (top-1 agreement for a classifier, which stops it once matched), from its start on; else the
+    task metric, from the first epoch (the start is TF-MOT's uncalibrated ranges: nothing to keep).
+    None where val is empty, where one labelled epoch is left (nothing to choose between), or across
+    workers (each would judge alone, out of step with the others)."""
     from edgeq.train.finetune import MATCHED, KeepBest
 
     dataset, plan, teacher = data
     if dataset.count("val") == 0 or run.config.strategy == "multi-worker":
+        return None
+    if not teacher and stage.epochs - initial_epoch <= 1:
         return None
     judged, targets = (teacher[0], teacher[2]) if teacher else (dataset, plan)
     classifier = objs[0].spec.kind == "classification" and len(objs) == 1
@@ -460,7 +464,7 @@ def _keep_best(stage, data: tuple, objs, run):
     def judge(model):
         return _stage_metric(model, judged, "val", objs, targets, by_keras=not teacher)
 
-    return KeepBest(judge, matched=MATCHED if teacher and classifier else None)
+    return KeepBest(judge, matched=MATCHED if teacher and classifier else None, from_start=bool(teacher))
 
 
 def _progress_bar(stages, start_stage: int, start_epoch: int):
