@@ -352,6 +352,7 @@ def _device_timer(name: str, inventory_path, accept_new: bool, runs: int, result
 
 def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, int4, ranges, plot_path, task, speed):
     """``analyze plan --target``: the candidates, timed; the fastest that meets the budget."""
+    import json
     from pathlib import Path
 
     from edgeq.analyze.speed import host_timer, make_target_plan
@@ -374,7 +375,7 @@ def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, 
             model, data, max_drop, out, speed["target"], calib_samples, split, progress, ranges, task,
             fallback, timer, max_size,
         )  # fmt: skip
-    record = __import__("json").loads(Path(result.path).read_text())
+    record = json.loads(Path(result.path).read_text())  # what the plan weighed: FP32, the commands, its verdicts
     click.echo(_target_table(result, record))
     if plot_path:
         from edgeq.analyze.plan import save_frontier_chart

@@ -275,7 +275,6 @@ def _record(model_path, data: str, max_drop_pp, tgt, quality, fp32: dict, best, 
             **{name: {"activation_bits": 16} for name in best.wide_layers},
         },
         "chosen": frontier.index(best),
-        "faster_than_fp32": best.latency_ms < fp32["latency_ms"],
         "frontier": [asdict(p) for p in frontier],
     }
 
