@@ -329,7 +329,7 @@ def _targets(kind: str, path: Path):
             shape = tuple(max(1, d) for d in model.input.shape[1:])
             model.predict(np.zeros((1, *shape), np.float32))
 
-        from edgeq.quantize.passes import prepared_float_model
+        from edgeq.quantize.float_model import prepared_float_model
 
         return [
             ("inspect", lambda: inspect_to_dict(inspect_tflite(path))),

@@ -71,8 +71,8 @@ def _loaded(path: Path, data: str, split: str, samples: int, ranges: str, task_s
     quality that scores them, and the file calibrated once (as convert calibrates it)."""
     from edgeq.data.sources import load_dataset
     from edgeq.models.spec import describe_tflite
+    from edgeq.quantize.float_model import prepared_float_model
     from edgeq.quantize.mixed import calibrate_float, op_names
-    from edgeq.quantize.passes import prepared_float_model
     from edgeq.runtime.interpreter import TFLiteModel
 
     prepared = prepared_float_model(path.read_bytes(), str(path))

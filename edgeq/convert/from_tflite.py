@@ -1,7 +1,7 @@
 """`edgeq convert X.tflite`: a float .tflite from any framework, quantized and verified like a Keras model.
 
 The file is made ready for LiteRT Quantizer (float16 constants to float32, a signature where it
-has none: ``edgeq.quantize.passes.prepared_float_model``), calibrated with edgeq's observers and range methods
+has none: ``edgeq.quantize.float_model.prepared_float_model``), calibrated with edgeq's observers and range methods
 (``edgeq.quantize.mixed.calibrate_float``, as mixed plans are), quantized integer-only (int8
 inputs and outputs), and verified output by output against the float file itself. What needs the
 source model (QAT, graph transforms, the TFLite converter's options) is refused in one line.
@@ -22,7 +22,7 @@ from edgeq.convert.plans import _plan_ranges
 from edgeq.convert.verify import _held_targets, _verify
 from edgeq.errors import ConversionError, UsageError
 from edgeq.models.spec import ModelSpec, describe_tflite
-from edgeq.quantize.passes import prepared_float_model
+from edgeq.quantize.float_model import prepared_float_model
 from edgeq.runtime.inputs import Normalization
 from edgeq.runtime.interpreter import TFLiteModel
 
@@ -84,6 +84,7 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
         notes.append(f"{prepared.float16_constants} float16 constant(s) read as float32 (their DEQUANTIZE ops removed)")
     if prepared.signature_added:
         notes.append("the file has no signature: edgeq gave it one from its inputs and outputs (serving_default)")
+    notes.extend(prepared.notes())
     reference = TFLiteModel(model_content=prepared.content)
     source = _described(reference, path)
     out = Path(out) if out else default_output(path, spec.mode)
@@ -109,7 +110,7 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     )
     notes.extend(shared_scales(prepared.content, cal.calibration))
     wide = cal.layers if spec.mode == Mode.INT16X8 else _planned_ops(path, options, cal.layers, notes)
-    flatbuffer = cal.quantize(wide, weight_bits=options.weight_bits)
+    flatbuffer = _integer_edits(cal.quantize(wide, weight_bits=options.weight_bits), notes)
     seconds = time.perf_counter() - started
     notes.append(
         f"LiteRT Quantizer, {ranges} activation ranges (edgeq's observers), "
@@ -128,12 +129,28 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
                 "time, in float (SHAPE ops): export it with a fixed batch of 1"
             ) from exc
         raise
-    run = {"source": source, "is_qat": False, "ptq": None, "seconds": seconds, "model": None, "wide": list(wide)}
+    run = {"source": source, "is_qat": False, "ptq": None, "seconds": seconds, "model": None, "wide": list(wide),
+           "passes": prepared.record()}  # fmt: skip
     manifest = _manifest(
         out, flatbuffer, tflite, spec, options, outputs, dataset, options.calib, verification, notes, run
     )
     _commit(out, flatbuffer, manifest, notes, False)
     return conversion_result(out, flatbuffer, manifest, spec, seconds, verification, False, notes)
+
+
+def _integer_edits(flatbuffer: bytes, notes: list[str]) -> bytes:
+    """After LiteRT Quantizer: data-movement ops it left float made int8, int8 HARD_SWISH as ADD/MUL (XNNPACK
+    has no int8 kernel for it), each named in the notes."""
+    from edgeq.quantize.passes import integer_movers, unfuse_hard_swish
+
+    flatbuffer, moved = integer_movers(flatbuffer)
+    if moved:
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(moved.items()))
+        notes.append(f"{kinds} moved int8 codes instead of floats (LiteRT Quantizer left them float)")
+    flatbuffer, swish = unfuse_hard_swish(flatbuffer)
+    if swish:
+        notes.append(f"{swish} int8 HARD_SWISH op(s) written as ADD/MUL: XNNPACK has no int8 HARD_SWISH kernel")
+    return flatbuffer
 
 
 def input_range(text: str | None) -> Normalization | None:

@@ -206,10 +206,13 @@ def _verification_failure(source_name, failed, verification, per_output, max_dro
     answers = [Verdict.from_dict(p["verdict"]).line() for p in per_output if p.get("verdict") and not p["passed"]]
     judged = f"; by its task: {'; '.join(answers)}" if answers else ""
     hint = "; --max-drop PP judges a classifier by its answers" if answers or agreement else ""
+    if str(source_name).endswith(".tflite"):  # no source model: QAT is out of reach, these are not
+        against, tries = "the float .tflite", "--ptq mse or percentile, --int16x8, edgeq analyze plan, or --task"
+    else:
+        against, tries = "the Keras model", "QAT (edgeq train), per-channel"
     return (
-        f"{source_name}: verification failed: output SQNR vs the Keras model below the threshold on {n} held-out "
-        f"samples ({'; '.join(failed)}{agreement}){judged}; try QAT (edgeq train), per-channel, or --min-sqnr to "
-        f"accept it{hint}"
+        f"{source_name}: verification failed: output SQNR vs {against} below the threshold on {n} held-out "
+        f"samples ({'; '.join(failed)}{agreement}){judged}; try {tries}, or --min-sqnr to accept it{hint}"
     )
 
 

@@ -164,7 +164,7 @@ def _split_reference(reference: Path, x, names: list[str]) -> dict | None:
     ``convert --split-outputs`` made of it), when that gives the model's output names; else None."""
     if reference.suffix != ".tflite":
         return None
-    from edgeq.quantize.passes import prepared_float_model
+    from edgeq.quantize.float_model import prepared_float_model
     from edgeq.runtime.interpreter import TFLiteModel
 
     prepared = prepared_float_model(reference.read_bytes(), str(reference), split_outputs=True)

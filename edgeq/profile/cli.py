@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from edgeq.errors import UsageError
+from edgeq.runtime.delegation import DelegateStructure
 from edgeq.tasks.metrics import metric
 from edgeq.ui import (
     failed_exit,
@@ -120,6 +121,10 @@ def _render_runs(report) -> list[str]:
     lines = [table(headers, rows, numbers=True)]
     runs = report.model.runs[0].latency
     lines.append(f"(latency in ms over {runs.runs} runs after {runs.warmup} warm-up)")
+    for name, prof in profiles:
+        record = prof.runs[0].partitions if prof.runs else None
+        if record is not None:
+            lines.append(f"{name}: {DelegateStructure(**record).summary()}")
     return lines
 
 

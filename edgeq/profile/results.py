@@ -75,6 +75,8 @@ class RunResult:
     first_inference_ms: float
     latency: LatencyStats
     memory: MemoryStats
+    # XNNPACK's partitions and the ops it left out (edgeq.runtime.delegation); None with another delegate
+    partitions: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from edgeq.profile.results import (
     Thermal,
 )
 from edgeq.profile.samples import DeviceSamples, load_npz
+from edgeq.runtime.delegation import delegate_structure
 from edgeq.runtime.flatbuffer import is_integer_only, op_summary, read_tflite
 from edgeq.runtime.inputs import (
     detection_beside,
@@ -176,6 +177,7 @@ def measure_run(
         bar.close()
     peak_run = peak_rss_mb()
     batch = model.inputs[0].shape[0] if model.inputs and model.inputs[0].shape else 1
+    structure = delegate_structure(interpreter).to_dict() if model.delegate_name == "xnnpack" else None
     result = RunResult(
         threads=threads,
         delegate=model.delegate_name,
@@ -188,6 +190,7 @@ def measure_run(
             peak_rss_run_mb=peak_run,
             peak_reset=reset_ok,
         ),
+        partitions=structure,
     )
     log.info("%s threads=%d median %.3f ms", path, threads, result.latency.median_ms)
     return result, model

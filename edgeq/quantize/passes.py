@@ -8,22 +8,17 @@
 - ``with_weight_codes``: edgeq's chosen weight codes and scales (``--weight-ranges``,
   ``--rounding``, W4A8) written into the filters the converter quantized.
 - ``unfuse_hard_swish``: int8 HARD_SWISH as ADD/MUL, which XNNPACK runs in one partition.
-- ``prepared_float_model``: a float .tflite from any framework (MediaPipe, TF Hub, LiteRT Torch,
-  onnx2tf) as LiteRT Quantizer takes it: each float16 constant read by a DEQUANTIZE op becomes the
-  float32 constant that op computes (the op goes), and a file without a signature gets one
-  (``serving_default``) from its main subgraph's inputs and outputs, named by their tensors' names,
-  as the interpreter names them in a file without one.
+- ``drop_unused_tensors``: tensors no op uses any more, removed (indices renumbered).
+
+A float .tflite is made ready for LiteRT Quantizer in ``float_model`` and ``float_passes``.
 
 Verification after conversion still compares the edited model with the Keras model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from edgeq.errors import ModelLoadError
 from edgeq.runtime.flatbuffer import schema
 
 _INTEGER = ("INT8", "UINT8", "INT16")
@@ -276,75 +271,7 @@ def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
     return _packed(model, len(content)), unfused
 
 
-SIGNATURE_KEY = "serving_default"
-_QUANTIZED = ("INT8", "UINT8", "INT16", "INT4")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """The float model LiteRT Quantizer takes, and what was changed to get it."""
-
-    content: bytes
-    float16_constants: int  # float16 constants made float32 (their DEQUANTIZE ops removed)
-    signature_added: bool
-    split: tuple[str, ...] = ()  # outputs that were a CONCATENATION, now its parts (--split-outputs)
-
-
-def _name(tensor) -> str:
-    name = tensor.name
-    return name.decode() if isinstance(name, bytes) else str(name or "")
-
-
-def _check_float(model, s, where: str) -> None:
-    """A model quantized already (integer weights or activations) is no float model to quantize."""
-    integer = {getattr(s.TensorType, t) for t in _QUANTIZED if hasattr(s.TensorType, t)}
-    graph = model.subgraphs[0]
-    dequantize = s.BuiltinOperator.DEQUANTIZE
-    fed_to_dequantize = {
-        int(op.inputs[0])
-        for op in graph.operators or []
-        if _builtin(model, op) == dequantize and op.inputs is not None and len(op.inputs)
-    }
-    for index, tensor in enumerate(graph.tensors or []):
-        if tensor.type in integer and index not in fed_to_dequantize:
-            raise ModelLoadError(
-                f"{where}: tensor {_name(tensor)!r} is {_dtype_name(s, tensor.type)}: the model is quantized already; "
-                "edgeq quantizes float .tflite files (give the float model, or profile/eval this one as it is)"
-            )
-
-
-def _dtype_name(s, value: int) -> str:
-    return next((k.lower() for k, v in vars(s.TensorType).items() if v == value), str(value))
-
-
-def _float16_to_float32(model, s) -> int:
-    """Replace each DEQUANTIZE of a float16 constant by the float32 constant it computes."""
-    graph = model.subgraphs[0]
-    dequantize, float16, float32 = s.BuiltinOperator.DEQUANTIZE, s.TensorType.FLOAT16, s.TensorType.FLOAT32
-    replaced: dict[int, int] = {}  # output tensor -> the float16 constant it dequantized
-    keep = []
-    for op in graph.operators or []:
-        if _builtin(model, op) == dequantize and op.inputs is not None and len(op.inputs) == 1:
-            source, out = int(op.inputs[0]), int(op.outputs[0])
-            tensor = graph.tensors[source]
-            data = model.buffers[tensor.buffer].data if tensor.buffer < len(model.buffers) else None
-            if tensor.type == float16 and data is not None and len(data):
-                values = np.frombuffer(bytes(bytearray(data)), dtype="<f2").astype("<f4")
-                target = graph.tensors[out]
-                buffer = s.BufferT()
-                buffer.data = np.frombuffer(values.tobytes(), dtype=np.uint8)
-                model.buffers.append(buffer)
-                target.buffer, target.type = len(model.buffers) - 1, float32
-                replaced[out] = source
-                continue
-        keep.append(op)
-    graph.operators = keep
-    if replaced:
-        _drop_unused_tensors(model, graph, set(replaced.values()))
-    return len(replaced)
-
-
-def _drop_unused_tensors(model, graph, candidates: set[int]) -> None:
+def drop_unused_tensors(model, graph, candidates: set[int]) -> None:
     """Remove the ``candidates`` no op, input or output uses any more (the float16 constants), with
     their buffers' bytes; every tensor index in the graph is renumbered."""
     used = set()
@@ -355,11 +282,16 @@ def _drop_unused_tensors(model, graph, candidates: set[int]) -> None:
     gone = sorted(i for i in candidates if i not in used)
     if not gone:
         return
+    gone_set = set(gone)
+    kept = [i for i in range(len(graph.tensors)) if i not in gone_set]
+    # a buffer may back several tensors (converters share equal constants): its bytes go only with the last
+    still = {
+        int(t.buffer) for g in model.subgraphs for i, t in enumerate(g.tensors) if g is not graph or i not in gone_set
+    }
     for index in gone:
         buffer = graph.tensors[index].buffer
-        if 0 < buffer < len(model.buffers):
+        if 0 < buffer < len(model.buffers) and buffer not in still:
             model.buffers[buffer].data = None  # the bytes go; the empty buffer keeps the others' numbers
-    kept = [i for i in range(len(graph.tensors)) if i not in set(gone)]
     new_index = {old: new for new, old in enumerate(kept)}
 
     def renumbered(indices):
@@ -377,97 +309,67 @@ def _drop_unused_tensors(model, graph, candidates: set[int]) -> None:
                 entry.tensorIndex = new_index[int(entry.tensorIndex)]
 
 
-def _modern_op_codes(model) -> int:
-    """Files of the old schema (MediaPipe's, 2020) name each op in ``deprecated_builtin_code`` only and
-    leave ``builtin_code`` 0 (ADD): LiteRT Quantizer reads ``builtin_code``, and would quantize a
-    CONV_2D's filter as an ADD's input. Each code gets both, as the current schema writes them."""
-    fixed = 0
-    for code in model.operatorCodes or []:
-        real = max(code.builtinCode, code.deprecatedBuiltinCode)
-        if code.builtinCode != real:
-            code.builtinCode, fixed = real, fixed + 1
-        code.deprecatedBuiltinCode = min(real, 127)  # the schema's PLACEHOLDER_FOR_GREATER_OP_CODES
-    return fixed
+# Ops that move int8 codes without computing on them: at int8 their output has their input's scale.
+_MOVERS = ("DEPTH_TO_SPACE", "SPACE_TO_DEPTH", "RESHAPE", "TRANSPOSE", "SQUEEZE", "EXPAND_DIMS", "MIRROR_PAD")
 
 
-def _add_signature(model, s) -> bool:
-    if model.signatureDefs:
-        return False
-    graph = model.subgraphs[0]
+def integer_movers(content: bytes) -> tuple[bytes, dict[str, int]]:
+    """Each float data-movement op that LiteRT Quantizer left between DEQUANTIZE and QUANTIZE (it has no
+    int8 DEPTH_TO_SPACE, which MediaPipe's sparse face and pose detectors have) made to move the int8
+    codes itself: its output takes its input's scale, and a QUANTIZE after it to the same scale goes
+    (another scale stays, as an int8 -> int8 requantize). Returns the new flatbuffer and the ops made
+    int8, by type."""
+    from edgeq.runtime.flatbuffer import builtin_op_name
 
-    def entries(indices) -> list:
-        found = []
-        for i, index in enumerate(indices if indices is not None else []):
-            entry = s.TensorMapT()
-            # the tensor's own name: what the interpreter calls the input or output of a file without a
-            # signature, so the quantized model's outputs match the float file's by name (eval, profile)
-            entry.name = _name(graph.tensors[int(index)]) or f"tensor_{i}"
-            entry.tensorIndex = int(index)
-            found.append(entry)
-        return found
-
-    signature = s.SignatureDefT()
-    signature.signatureKey = SIGNATURE_KEY
-    signature.subgraphIndex = 0
-    signature.inputs, signature.outputs = entries(graph.inputs), entries(graph.outputs)
-    model.signatureDefs = [signature]
-    return True
-
-
-def prepared_float_model(content: bytes, where: str, split_outputs: bool = False) -> Prepared:
-    """``content`` as LiteRT Quantizer takes it: float32 constants and a signature (see the module);
-    with ``split_outputs``, each output a CONCATENATION writes becomes its parts, each its own output."""
-    from edgeq.runtime.flatbuffer import verify_tflite
-
-    verify_tflite(content, where)  # every index and offset checked: a broken file is refused in one line
     s = schema()
-    try:
-        model = s.ModelT.InitFromPackedBuf(content, 0)
-    except Exception as exc:  # a corrupt flatbuffer raises many types
-        raise ModelLoadError(f"{where}: not a readable .tflite flatbuffer ({type(exc).__name__})") from exc
-    if not model.subgraphs:
-        raise ModelLoadError(f"{where}: the .tflite has no subgraph")
-    if len(model.subgraphs) > 1 and not model.signatureDefs:
-        raise ModelLoadError(f"{where}: {len(model.subgraphs)} subgraphs and no signature: say which one to quantize")
-    _check_float(model, s, where)
-    codes = _modern_op_codes(model)
-    float16 = _float16_to_float32(model, s)
-    added = _add_signature(model, s)
-    split = _split_concatenated_outputs(model, s) if split_outputs else ()
-    if not float16 and not added and not codes and not split:
-        return Prepared(content, 0, False)
-    return Prepared(_packed(model, len(content) * (2 if float16 else 1)), float16, added, split)
-
-
-def _split_concatenated_outputs(model, s) -> tuple[str, ...]:
-    """Each output that a CONCATENATION of computed tensors writes (YOLO's boxes and scores) becomes
-    those tensors, each an output with its own int8 scale; the op goes. Returns the outputs split."""
+    model = s.ModelT.InitFromPackedBuf(content, 0)
     graph = model.subgraphs[0]
-    consumed = {int(t) for op in graph.operators or [] for t in (op.inputs if op.inputs is not None else [])}
-    producer = {int(t): op for op in graph.operators or [] for t in (op.outputs if op.outputs is not None else [])}
-    split, outputs = [], []
-    for output in (int(t) for t in graph.outputs):
-        op = producer.get(output)
-        parts = [int(t) for t in op.inputs] if op is not None and op.inputs is not None else []
-        constant = any(model.buffers[graph.tensors[t].buffer].data is not None for t in parts if t >= 0)
-        if op is None or _builtin(model, op) != s.BuiltinOperator.CONCATENATION or output in consumed or constant:
-            outputs.append(output)
+    int8 = s.TensorType.INT8
+    writer = {int(t): op for op in graph.operators for t in op.outputs}
+    readers: dict[int, list] = {}
+    for op in graph.operators:
+        for t in op.inputs if op.inputs is not None else []:
+            readers.setdefault(int(t), []).append(op)
+    outputs = {int(t) for t in graph.outputs}
+    done: dict[str, int] = {}
+    gone = []
+    for op in graph.operators:
+        name = builtin_op_name(_builtin(model, op))
+        source = writer.get(int(op.inputs[0])) if name in _MOVERS and op.inputs is not None else None
+        out = int(op.outputs[0]) if source is not None else -1
+        after = readers.get(out, [])
+        if (
+            source is None
+            or _builtin(model, source) != s.BuiltinOperator.DEQUANTIZE
+            or graph.tensors[int(source.inputs[0])].type != int8
+            or out in outputs
+            or not after
+            or any(_builtin(model, q) != s.BuiltinOperator.QUANTIZE for q in after)
+        ):
             continue
-        outputs += parts
-        graph.operators = [o for o in graph.operators if o is not op]
-        split.append(_name(graph.tensors[output]))
-        for signature in model.signatureDefs or []:
-            entries = []
-            for entry in signature.outputs or []:
-                if int(entry.tensorIndex) != output:
-                    entries.append(entry)
-                    continue
-                for part in parts:
-                    new = s.TensorMapT()
-                    new.name, new.tensorIndex = _name(graph.tensors[part]), part
-                    entries.append(new)
-            signature.outputs = entries
-    graph.outputs = outputs
-    orphans = {i for i, t in enumerate(graph.tensors) if _name(t) in split}
-    _drop_unused_tensors(model, graph, orphans)  # a tensor no op writes would have no value to calibrate
-    return tuple(split)
+        codes = graph.tensors[int(source.inputs[0])]
+        op.inputs = np.asarray([int(source.inputs[0]), *(int(t) for t in op.inputs[1:])], np.int32)
+        moved = graph.tensors[out]
+        moved.type, moved.quantization = int8, codes.quantization
+        model.operatorCodes[op.opcodeIndex].version = max(model.operatorCodes[op.opcodeIndex].version, 2)
+        for quantize in after:
+            target = graph.tensors[int(quantize.outputs[0])]
+            same = (
+                target.type == int8
+                and list(target.quantization.scale) == list(codes.quantization.scale)
+                and list(target.quantization.zeroPoint) == list(codes.quantization.zeroPoint)
+            )
+            if same and len(after) == 1:
+                op.outputs = np.asarray([int(quantize.outputs[0])], np.int32)
+                gone.append(quantize)
+        done[name] = done.get(name, 0) + 1
+    if not done:
+        return content, {}
+    graph.operators = [op for op in graph.operators if all(op is not g for g in gone)]
+    used = {int(t) for op in graph.operators for t in op.inputs if int(t) >= 0}
+    graph.operators = [  # a DEQUANTIZE no op reads any more
+        op for op in graph.operators
+        if _builtin(model, op) != s.BuiltinOperator.DEQUANTIZE or any(int(t) in used | outputs for t in op.outputs)
+    ]  # fmt: skip
+    drop_unused_tensors(model, graph, set(range(len(graph.tensors))))
+    return _packed(model, len(content)), done

@@ -61,6 +61,8 @@ def render(report, show_ops: bool = True) -> str:
         + (", ".join(f"{dtype} {human_bytes(n)}" for dtype, n in report.bytes_by_dtype.items()) or "none")
     )
     lines.append(f"integer-only   {'yes' if report.integer_only else 'no'}")
+    if report.delegate is not None:
+        lines.append(f"delegate       {report.delegate.summary()} (1 thread, as profile loads it)")
     tpu = report.edgetpu
     if tpu.compiled:
         lines.append(f"edge tpu       compiled for the Edge TPU ({tpu.compiled_ops} edgetpu-custom-op)")
@@ -89,7 +91,7 @@ def render(report, show_ops: bool = True) -> str:
 @click.option("--json", "json_out", metavar="OUT", help="Write the full description as JSON here.")
 @click.option("--ops/--no-ops", "show_ops", default=True, help="List every op (default) or only the summary.")
 def inspect(model: str, json_out: str | None, show_ops: bool) -> None:
-    """Signature, tensors, ops, dtypes and Edge TPU compatibility of MODEL.tflite (no interpreter)."""
+    """Signature, tensors, ops, dtypes, XNNPACK partitions and Edge TPU compatibility of MODEL.tflite."""
     from edgeq.runtime.inspect import inspect_tflite, inspect_to_dict
 
     report = inspect_tflite(model)

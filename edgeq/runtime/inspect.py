@@ -1,4 +1,4 @@
-"""What a .tflite file holds, from the flatbuffer alone (no interpreter, no TensorFlow)."""
+"""What a .tflite file holds, from the flatbuffer (no TensorFlow); its XNNPACK partitions from an interpreter."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from edgeq import __version__
+from edgeq.errors import ModelLoadError, RuntimeBackendError
+from edgeq.runtime.delegation import DelegateStructure
 from edgeq.runtime.edgetpu import EdgeTPUReport, check_edgetpu
 from edgeq.runtime.flatbuffer import (
     ModelDesc,
@@ -60,6 +62,8 @@ class InspectReport:
     bytes_by_dtype: dict[str, int]
     integer_only: bool
     edgetpu: EdgeTPUReport
+    # XNNPACK's partitions of the file as profile loads it; None where no interpreter can load it here
+    delegate: DelegateStructure | None = None
 
 
 def describe(desc: ModelDesc) -> InspectReport:
@@ -104,12 +108,21 @@ def describe(desc: ModelDesc) -> InspectReport:
 
 
 def inspect_tflite(path: str | Path) -> InspectReport:
-    """Read, verify and describe the .tflite file at ``path``."""
-    return describe(read_tflite(path))
+    """Read, verify and describe the .tflite file at ``path``, with its delegate structure where an
+    interpreter is installed and can load it (a custom op it lacks, an Edge TPU file: not)."""
+    report = describe(read_tflite(path))
+    from edgeq.runtime.delegation import structure_of
+
+    try:
+        structure = structure_of(Path(path).read_bytes())
+    except (ModelLoadError, RuntimeBackendError):
+        return report
+    return dataclasses.replace(report, delegate=structure)
 
 
 def inspect_to_dict(report: InspectReport) -> dict[str, Any]:
     data = dataclasses.asdict(report)
+    data["delegate"] = report.delegate.to_dict() if report.delegate is not None else None
     first = report.edgetpu.first_fallback
     data["edgetpu"]["mapped_share"] = round(report.edgetpu.mapped_share, 4)
     data["edgetpu"]["first_fallback"] = (

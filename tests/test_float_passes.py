@@ -1,0 +1,291 @@
+"""The graph passes a downloaded float .tflite goes through before it is quantized (quantize.float_passes).
+
+Each test builds a tiny .tflite with what MediaPipe's files have (a standalone RELU, a PRELU with one
+alpha or one per channel, a filter read through DENSIFY, the custom transposed convolution), checks
+that the pass leaves the float outputs equal, that `edgeq convert --int8-only` then gives an
+integer-only file in one XNNPACK partition, and that without the pass the same file does not.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from tests.conftest import assert_one_line_error
+
+SHAPE = (8, 8, 3)
+
+
+def _pack(model) -> bytes:
+    import flatbuffers
+
+    builder = flatbuffers.Builder(1 << 16)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def _tflite(build) -> bytes:
+    """A tiny Keras model from ``build(keras, inputs)``, converted to float by the TFLite converter."""
+    from edgeq.models.compat import keras
+    from edgeq.shims.tflite import keras_converter
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(SHAPE, name="image")
+    return keras_converter(keras.Model(inputs, build(keras, inputs)), True).convert()
+
+
+def _code(s, model, op) -> int:
+    code = model.operatorCodes[op.opcodeIndex]
+    return max(code.builtinCode, code.deprecatedBuiltinCode)
+
+
+def _opcode(s, model, builtin: int, version: int = 1) -> int:
+    for i, code in enumerate(model.operatorCodes):
+        if max(code.builtinCode, code.deprecatedBuiltinCode) == builtin and not code.customCode:
+            return i
+    code = s.OperatorCodeT()
+    code.builtinCode, code.deprecatedBuiltinCode, code.version = builtin, min(builtin, 127), version
+    model.operatorCodes.append(code)
+    return len(model.operatorCodes) - 1
+
+
+def _unfused_relus(content: bytes) -> bytes:
+    """Each conv's fused RELU written as a standalone RELU op after it, as MediaPipe's files have them."""
+    from edgeq.runtime.flatbuffer import schema
+
+    s = schema()
+    model = s.ModelT.InitFromPackedBuf(content, 0)
+    graph = model.subgraphs[0]
+    ops = []
+    for op in graph.operators:
+        ops.append(op)
+        options = op.builtinOptions
+        if _code(s, model, op) != s.BuiltinOperator.CONV_2D or options.fusedActivationFunction != 1:
+            continue
+        options.fusedActivationFunction = s.ActivationFunctionType.NONE
+        before = s.TensorT()
+        out = graph.tensors[int(op.outputs[0])]
+        before.name, before.type, before.shape, before.buffer = out.name + b"/pre", out.type, out.shape, 0
+        graph.tensors.append(before)
+        relu = s.OperatorT()
+        relu.opcodeIndex = _opcode(s, model, s.BuiltinOperator.RELU)
+        relu.inputs, relu.outputs = [len(graph.tensors) - 1], [int(op.outputs[0])]
+        op.outputs = [len(graph.tensors) - 1]
+        ops.append(relu)
+    graph.operators = ops
+    return _pack(model)
+
+
+def _densified_filter(content: bytes) -> bytes:
+    """The first conv's filter stored sparse (block-free CSR over its last dimension, as the TACO format
+    writes it) and read through a DENSIFY op, as MediaPipe's sparse files store theirs."""
+    from edgeq.runtime.flatbuffer import schema
+
+    s = schema()
+    model = s.ModelT.InitFromPackedBuf(content, 0)
+    graph = model.subgraphs[0]
+    conv = next(op for op in graph.operators if _code(s, model, op) == s.BuiltinOperator.CONV_2D)
+    dense = graph.tensors[int(conv.inputs[1])]
+    values = np.frombuffer(bytes(bytearray(model.buffers[dense.buffer].data)), "<f4").reshape(dense.shape).copy()
+    values[np.abs(values) < np.quantile(np.abs(values), 0.5)] = 0  # half the weights pruned
+    rows = values.reshape(-1, values.shape[-1])
+    segments, indices = [0], []
+    for row in rows:
+        nonzero = np.flatnonzero(row)
+        indices.extend(int(i) for i in nonzero)
+        segments.append(len(indices))
+    sparse = s.TensorT()
+    sparse.name, sparse.type, sparse.shape = dense.name + b"/sparse", s.TensorType.FLOAT32, dense.shape
+    buffer = s.BufferT()
+    buffer.data = np.frombuffer(rows[rows != 0].astype("<f4").tobytes(), np.uint8)
+    model.buffers.append(buffer)
+    sparse.buffer = len(model.buffers) - 1
+    sparse.sparsity = s.SparsityParametersT()
+    sparse.sparsity.traversalOrder = list(range(values.ndim))
+    metadata = []
+    for size in values.shape[:-1]:
+        dim = s.DimensionMetadataT()
+        dim.format, dim.denseSize = s.DimensionType.DENSE, int(size)
+        metadata.append(dim)
+    last = s.DimensionMetadataT()
+    last.format = s.DimensionType.SPARSE_CSR
+    last.arraySegmentsType, last.arraySegments = s.SparseIndexVector.Int32Vector, s.Int32VectorT()
+    last.arraySegments.values = segments
+    last.arrayIndicesType, last.arrayIndices = s.SparseIndexVector.Int32Vector, s.Int32VectorT()
+    last.arrayIndices.values = indices
+    sparse.sparsity.dimMetadata = [*metadata, last]
+    graph.tensors.append(sparse)
+    dense.buffer = 0  # now computed: DENSIFY writes it
+    densify = s.OperatorT()
+    densify.opcodeIndex = _opcode(s, model, s.BuiltinOperator.DENSIFY)
+    densify.inputs, densify.outputs = [len(graph.tensors) - 1], [int(conv.inputs[1])]
+    graph.operators.insert(0, densify)
+    return _pack(model)
+
+
+def _custom_transpose_conv(content: bytes) -> bytes:
+    """Each TRANSPOSE_CONV written as MediaPipe's custom Convolution2DTransposeBias (input, weights, bias;
+    its options the raw TfLiteTransposeConvParams: padding SAME = 1, stride w, stride h)."""
+    from edgeq.runtime.flatbuffer import schema
+
+    s = schema()
+    model = s.ModelT.InitFromPackedBuf(content, 0)
+    graph = model.subgraphs[0]
+    code = s.OperatorCodeT()
+    code.builtinCode, code.deprecatedBuiltinCode, code.customCode = 32, 32, b"Convolution2DTransposeBias"
+    model.operatorCodes.append(code)
+    gone = []
+    for op in graph.operators:
+        if _code(s, model, op) != s.BuiltinOperator.TRANSPOSE_CONV:
+            continue
+        _, weights, x, *bias = (int(t) for t in op.inputs)
+        if not bias or bias[0] < 0:  # the converter adds the bias after it: that ADD becomes the op's bias
+            add = next(o for o in graph.operators if int(op.outputs[0]) in [int(t) for t in o.inputs])
+            bias = [int(t) for t in add.inputs if int(t) != int(op.outputs[0])]
+            op.outputs, gone = add.outputs, [*gone, add]
+        bias = bias[0]
+        options = op.builtinOptions
+        padding = 1 if options.padding == s.Padding.SAME else 2
+        op.opcodeIndex = len(model.operatorCodes) - 1
+        op.inputs = [x, weights, bias]
+        op.builtinOptionsType, op.builtinOptions = 0, None
+        op.customOptions = list(struct.pack("<iii", padding, options.strideW, options.strideH))
+    graph.operators = [op for op in graph.operators if all(op is not g for g in gone)]
+    return _pack(model)
+
+
+def _relu_model(keras, x):
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(x)
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(x)
+    return keras.layers.Conv2D(4, 1)(x)
+
+
+def _prelu_model(shared):
+    def build(keras, x):
+        x = keras.layers.Conv2D(8, 3, padding="same")(x)
+        layer = keras.layers.PReLU(shared_axes=shared)
+        x = layer(x)
+        # MediaPipe's alphas: some negative, some above 1 (the palm detector's run -4.6..3.6)
+        alpha = np.linspace(-1.5, 2.5, int(np.prod(layer.alpha.shape))).reshape(layer.alpha.shape)
+        layer.set_weights([alpha if shared == [1, 2] else np.full(layer.alpha.shape, 0.25)])
+        return keras.layers.Conv2D(4, 1)(x)
+
+    return build
+
+
+def _transpose_model(keras, x):
+    x = keras.layers.Conv2D(8, 3, strides=2, padding="same", activation="relu")(x)
+    layer = keras.layers.Conv2DTranspose(2, 2, strides=2, padding="same")
+    x = layer(x)
+    layer.set_weights([layer.get_weights()[0], np.asarray([0.5, -0.25], np.float32)])  # a bias the file keeps
+    return x
+
+
+CASES = {
+    "relu": (lambda: _unfused_relus(_tflite(_relu_model)), "fused_activations"),
+    "prelu_channels": (lambda: _tflite(_prelu_model([1, 2])), "prelu"),
+    "prelu_one": (lambda: _tflite(_prelu_model([1, 2, 3])), "prelu"),
+    "densify": (lambda: _densified_filter(_tflite(_relu_model)), "folded_constants"),
+    "custom_transpose_conv": (lambda: _custom_transpose_conv(_tflite(_transpose_model)), "custom_ops"),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("float_passes")
+    rng = np.random.default_rng(0)
+    np.savez(folder / "x.npz", x=rng.uniform(0, 1, (240, *SHAPE)).astype(np.float32))
+    made = {"data": f"npz:{folder / 'x.npz'}", "folder": folder}
+    for name, (make, _) in CASES.items():
+        made[name] = folder / f"{name}.tflite"
+        made[name].write_bytes(make())
+    made["transpose_reference"] = folder / "transpose_reference.tflite"
+    made["transpose_reference"].write_bytes(_tflite(_transpose_model))
+    return made
+
+
+def _outputs(content: bytes, x) -> dict:
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    return TFLiteModel(model_content=content).predict_outputs(x)
+
+
+def _int8_without_passes(path, data) -> bytes:
+    """What convert made of the file before these passes: LiteRT Quantizer on the file as it is."""
+    from edgeq.data.sources import load_dataset
+    from edgeq.quantize.float_model import prepared_float_model
+    from edgeq.quantize.mixed import calibrate_float, op_names
+
+    content = prepared_float_model(path.read_bytes(), str(path), graph_passes=False).content
+    x = load_dataset(data, (1, *SHAPE), labels_required=False).calibration_samples(32)
+    return calibrate_float(content, x, op_names(content), "minmax").quantize()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_pass_keeps_the_float_outputs_and_gives_one_integer_partition(cli, files, tmp_path, case):
+    from edgeq.errors import ModelLoadError
+    from edgeq.quantize.float_model import prepared_float_model
+    from edgeq.runtime.delegation import structure_of
+    from edgeq.runtime.flatbuffer import is_integer_only, read_tflite
+    from edgeq.runtime.inputs import manifest_beside
+
+    path, pass_name = files[case], CASES[case][1]
+    x = np.random.default_rng(1).uniform(0, 1, (4, *SHAPE)).astype(np.float32)
+    prepared = prepared_float_model(path.read_bytes(), str(path))
+    assert pass_name in prepared.record(), prepared.passes
+    # the float model after the pass computes what the file did (the custom op: what TRANSPOSE_CONV did)
+    before = files["transpose_reference"] if case == "custom_transpose_conv" else path
+    want, got = _outputs(before.read_bytes(), x), _outputs(prepared.content, x)
+    for a, b in zip(want.values(), got.values(), strict=True):  # one output each (names: Keras' counters)
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * np.abs(a).max())
+    out = tmp_path / "q.tflite"
+    result = cli("convert", path, "--int8-only", "--calib", files["data"], "--out", out, "--min-sqnr", "15")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(manifest_beside(out).read_text())
+    assert pass_name in manifest["float_passes"] and any(pass_name.split("_")[0] in n.lower() or "op(s)" in n
+                                                         for n in manifest["notes"])  # fmt: skip
+    assert manifest["delegate"] == {"partitions": 1, "ops": manifest["delegate"]["ops"], "outside": {}}
+    assert is_integer_only(read_tflite(out)) and structure_of(out.read_bytes()).whole
+    # without the pass: split partitions, a float op, or a file the interpreter refuses
+    try:
+        without = _int8_without_passes(path, files["data"])
+        structure = structure_of(without)
+    except ModelLoadError as exc:
+        refusal = {"densify": "zero_point", "custom_transpose_conv": "Convolution2DTransposeBias"}  # a filter
+        assert refusal.get(case, "(none)") in str(exc), exc  # quantized as an activation; a custom op
+        return
+    assert not structure.whole or not is_integer_only(read_tflite_bytes(without)), structure.summary()
+
+
+def read_tflite_bytes(content: bytes):
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    return verify_tflite(content, "model")
+
+
+def test_a_custom_op_with_no_builtin_is_refused_in_one_line(cli, files, tmp_path):
+    from edgeq.runtime.flatbuffer import schema
+
+    s = schema()
+    model = s.ModelT.InitFromPackedBuf(files["custom_transpose_conv"].read_bytes(), 0)
+    model.operatorCodes[-1].customCode = b"TransformTensorBilinear"
+    path = tmp_path / "custom.tflite"
+    path.write_bytes(_pack(model))
+    result = cli("convert", path, "--int8-only", "--calib", files["data"], "--out", tmp_path / "q.tflite")
+    assert_one_line_error(result, "TransformTensorBilinear", "no builtin equivalent")
+    assert not (tmp_path / "q.tflite").exists()
+
+
+def test_inspect_shows_the_delegate_structure(cli, files, tmp_path):
+    """inspect loads the file as profile does and says how XNNPACK partitions it: the standalone RELUs
+    of the float file are delegated (float RELU is), an int8 file without the pass splits at each."""
+    path = tmp_path / "split.tflite"
+    path.write_bytes(_int8_without_passes(files["relu"], files["data"]))
+    result = cli("inspect", path, "--json", tmp_path / "i.json")
+    assert result.exit_code == 0, result.output
+    assert "XNNPACK: 3 partitions" in result.output and "RELU x2" in result.output, result.output
+    record = json.loads((tmp_path / "i.json").read_text())["delegate"]
+    assert record["partitions"] == 3 and record["outside"] == {"RELU": 2}
