@@ -223,8 +223,8 @@ def test_analyze_sensitivity_of_a_tflite_ranks_its_ops(cli, float_files, tmp_pat
 def test_analyze_plan_of_a_tflite_names_ops_and_convert_takes_it(cli, float_files, tmp_path):
     """A .tflite's plan gives ops (named by their first output tensor) 16-bit activations; an unmeetable
     budget ranks every op, and convert --plan builds the mixed integer-only model from a plan."""
-    from edgeq.quantize.mixed import op_names
     from edgeq.quantize.float_model import prepared_float_model
+    from edgeq.quantize.mixed import op_names
     from edgeq.runtime.inputs import manifest_beside
 
     source = float_files["one", "float32"]

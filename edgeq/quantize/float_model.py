@@ -10,12 +10,13 @@ in what it returns, so that convert's notes and the manifest say what was done t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from edgeq.errors import ModelLoadError
-from edgeq.quantize.passes import _builtin, _packed, drop_unused_tensors
+from edgeq.quantize.passes import _builtin, _packed, _unpacked, drop_unused_tensors
 from edgeq.runtime.flatbuffer import schema
 
 SIGNATURE_KEY = "serving_default"
@@ -30,6 +31,7 @@ class Prepared:
     float16_constants: int  # float16 constants made float32 (their DEQUANTIZE ops removed)
     signature_added: bool
     split: tuple[str, ...] = ()  # outputs that were a CONCATENATION, now its parts (--split-outputs)
+    joins: tuple[tuple[str, tuple[str, ...], int], ...] = ()  # each split output: (name, its parts, axis)
     passes: tuple[tuple[str, int, str], ...] = ()  # (pass, ops changed, what it did): float_passes, for notes
 
     def notes(self) -> list[str]:
@@ -133,16 +135,17 @@ def _add_signature(model, s) -> bool:
 
 
 def prepared_float_model(
-    content: bytes, where: str, split_outputs: bool = False, graph_passes: bool = True
+    content: bytes, where: str, split_outputs: bool | Iterable[str] = False, graph_passes: bool = True
 ) -> Prepared:
     """``content`` as LiteRT Quantizer takes it: float32 constants and a signature (see the module);
-    with ``split_outputs``, each output a CONCATENATION writes becomes its parts, each its own output."""
+    with ``split_outputs`` (True, or the names of some outputs), each output a CONCATENATION writes becomes
+    its parts, each its own output."""
     from edgeq.runtime.flatbuffer import verify_tflite
 
     verify_tflite(content, where)  # every index and offset checked: a broken file is refused in one line
     s = schema()
     try:
-        model = s.ModelT.InitFromPackedBuf(content, 0)
+        model = _unpacked(content)
     except Exception as exc:  # a corrupt flatbuffer raises many types
         raise ModelLoadError(f"{where}: not a readable .tflite flatbuffer ({type(exc).__name__})") from exc
     if not model.subgraphs:
@@ -154,11 +157,13 @@ def prepared_float_model(
     float16 = _float16_to_float32(model, s)
     added = _add_signature(model, s)
     passes = _graph_passes(model, s, where) if graph_passes else []
-    split = _split_concatenated_outputs(model, s) if split_outputs else ()
+    only = None if split_outputs is True else set(split_outputs or ())
+    joins = _split_concatenated_outputs(model, s, only) if split_outputs else ()
+    split = tuple(name for name, _, _ in joins)
     if not float16 and not added and not codes and not split and not passes:
         return Prepared(content, 0, False)
     size = len(content) * (4 if passes else 2 if float16 else 1)  # a folded sparse filter grows
-    return Prepared(_packed(model, size), float16, added, split, tuple(passes))
+    return Prepared(_packed(model, size), float16, added, split, joins, tuple(passes))
 
 
 def _graph_passes(model, s, where: str) -> list[tuple[str, int, str]]:
@@ -195,9 +200,10 @@ def _graph_passes(model, s, where: str) -> list[tuple[str, int, str]]:
     return done
 
 
-def _split_concatenated_outputs(model, s) -> tuple[str, ...]:
-    """Each output that a CONCATENATION of computed tensors writes (YOLO's boxes and scores) becomes
-    those tensors, each an output with its own int8 scale; the op goes. Returns the outputs split."""
+def _split_concatenated_outputs(model, s, only=None) -> tuple[tuple[str, tuple[str, ...], int], ...]:
+    """Each output that a CONCATENATION of computed tensors writes (YOLO's boxes and scores; with ``only``,
+    those of these names) becomes those tensors, each an output with its own int8 scale; the op goes.
+    Returns each output split: its name, its parts' names and the axis they were joined on."""
     graph = model.subgraphs[0]
     consumed = {int(t) for op in graph.operators or [] for t in (op.inputs if op.inputs is not None else [])}
     producer = {int(t): op for op in graph.operators or [] for t in (op.outputs if op.outputs is not None else [])}
@@ -206,12 +212,19 @@ def _split_concatenated_outputs(model, s) -> tuple[str, ...]:
         op = producer.get(output)
         parts = [int(t) for t in op.inputs] if op is not None and op.inputs is not None else []
         constant = any(model.buffers[graph.tensors[t].buffer].data is not None for t in parts if t >= 0)
-        if op is None or _builtin(model, op) != s.BuiltinOperator.CONCATENATION or output in consumed or constant:
+        if (
+            op is None
+            or _builtin(model, op) != s.BuiltinOperator.CONCATENATION
+            or output in consumed
+            or constant
+            or (only is not None and _name(graph.tensors[output]) not in only)
+        ):
             outputs.append(output)
             continue
         outputs += parts
         graph.operators = [o for o in graph.operators if o is not op]
-        split.append(_name(graph.tensors[output]))
+        axis = int(op.builtinOptions.axis) % len(graph.tensors[output].shape)
+        split.append((_name(graph.tensors[output]), tuple(_name(graph.tensors[p]) for p in parts), axis))
         for signature in model.signatureDefs or []:
             entries = []
             for entry in signature.outputs or []:
@@ -224,6 +237,6 @@ def _split_concatenated_outputs(model, s) -> tuple[str, ...]:
                     entries.append(new)
             signature.outputs = entries
     graph.outputs = outputs
-    orphans = {i for i, t in enumerate(graph.tensors) if _name(t) in split}
+    orphans = {i for i, t in enumerate(graph.tensors) if _name(t) in {name for name, _, _ in split}}
     drop_unused_tensors(model, graph, orphans)  # a tensor no op writes would have no value to calibrate
     return tuple(split)

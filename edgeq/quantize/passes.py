@@ -33,6 +33,18 @@ def _packed(model, size_hint: int) -> bytes:
     return bytes(builder.Output())
 
 
+def _unpacked(content: bytes):
+    """The flatbuffer's object model, each buffer's bytes inside it: LiteRT Quantizer may write constants
+    after the flatbuffer (a buffer's offset and size), which packing the object model would drop."""
+    s = schema()
+    model = s.ModelT.InitFromPackedBuf(content, 0)
+    for buffer in model.buffers or []:
+        if buffer.offset and buffer.offset > 1:
+            buffer.data = np.frombuffer(content[buffer.offset : buffer.offset + buffer.size], np.uint8)
+            buffer.offset = buffer.size = 0
+    return model
+
+
 def _builtin(model, op) -> int:
     code = model.operatorCodes[op.opcodeIndex]
     return max(code.builtinCode, code.deprecatedBuiltinCode)
@@ -45,7 +57,7 @@ def fuse_requantize(content: bytes) -> tuple[bytes, int]:
     """
 
     s = schema()
-    model = s.ModelT.InitFromPackedBuf(content, 0)
+    model = _unpacked(content)
     dequantize, quantize = s.BuiltinOperator.DEQUANTIZE, s.BuiltinOperator.QUANTIZE
     integer = {getattr(s.TensorType, name) for name in _INTEGER}
     fused = 0
@@ -110,7 +122,7 @@ def with_weight_codes(content: bytes, kernels) -> tuple[bytes, list[str]]:
     from edgeq.quantize.numerics import pack_int4
 
     s = schema()
-    model = s.ModelT.InitFromPackedBuf(content, 0)
+    model = _unpacked(content)
     graph = model.subgraphs[0]
     buffers = model.buffers
     int8, int32 = s.TensorType.INT8, s.TensorType.INT32
@@ -231,7 +243,7 @@ def unfuse_hard_swish(content: bytes) -> tuple[bytes, int]:
     """
 
     s = schema()
-    model = s.ModelT.InitFromPackedBuf(content, 0)
+    model = _unpacked(content)
     swish, int8 = s.BuiltinOperator.HARD_SWISH, s.TensorType.INT8
     unfused = 0
     for graph in model.subgraphs or []:
@@ -322,7 +334,7 @@ def integer_movers(content: bytes) -> tuple[bytes, dict[str, int]]:
     from edgeq.runtime.flatbuffer import builtin_op_name
 
     s = schema()
-    model = s.ModelT.InitFromPackedBuf(content, 0)
+    model = _unpacked(content)
     graph = model.subgraphs[0]
     int8 = s.TensorType.INT8
     writer = {int(t): op for op in graph.operators for t in op.outputs}
