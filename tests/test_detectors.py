@@ -208,7 +208,8 @@ def test_faces_on_real_photos_export_to_coco_and_tfrecord_and_read_back_the_same
 
 def test_a_tflite_whose_boxes_and_scores_share_one_output_is_told_so(cli, tmp_path):
     """YOLO exports concatenate pixel boxes (0..640) and scores (0..1) into one tensor: one int8 scale
-    for both rounds the scores away. convert names the output, the op and the ranges."""
+    for both rounds the scores away. convert splits it by default; with --no-split-outputs it names the
+    output, the op and the ranges."""
     from edgeq.models.compat import keras
     from edgeq.runtime.inputs import manifest_beside
     from edgeq.shims.tflite import keras_converter
@@ -227,7 +228,11 @@ def test_a_tflite_whose_boxes_and_scores_share_one_output_is_told_so(cli, tmp_pa
                  "--min-sqnr", "0")  # fmt: skip
     assert result.exit_code == 0, result.output
     notes = json.loads(manifest_beside(out).read_text())["notes"]
-    assert any("concatenates tensors whose ranges differ" in n and "--split-outputs" in n for n in notes), notes
+    assert any("split into its 2 concatenated parts" in n and "--no-split-outputs" in n for n in notes), notes
+    kept = cli("convert", model, "--int8-only", "--no-split-outputs", "--calib", f"npz:{tmp_path / 'x.npz'}",
+               "--out", out, "--min-sqnr", "0")  # fmt: skip
+    assert kept.exit_code == 0, kept.output
+    assert "concatenates tensors whose ranges differ" in kept.output and "'output0'" in kept.output, kept.output
 
 
 def test_split_outputs_gives_yolos_boxes_and_scores_their_own_scales_and_still_decodes(cli, tmp_path):

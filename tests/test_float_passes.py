@@ -289,3 +289,56 @@ def test_inspect_shows_the_delegate_structure(cli, files, tmp_path):
     assert "XNNPACK: 3 partitions" in result.output and "RELU x2" in result.output, result.output
     record = json.loads((tmp_path / "i.json").read_text())["delegate"]
     assert record["partitions"] == 3 and record["outside"] == {"RELU": 2}
+
+
+def _detector_model(keras, x):
+    """Pixel boxes (about +-100) beside 0..1 scores, concatenated into one output, as YOLO exports do."""
+    h = keras.layers.Flatten()(keras.layers.Conv2D(8, 3, activation="relu")(x))
+    boxes = keras.layers.Dense(4, kernel_initializer=keras.initializers.RandomNormal(0.0, 20.0))(h)
+    scores = keras.layers.Dense(2, activation="sigmoid")(h)
+    return keras.layers.Concatenate(name="detections")([boxes, scores])
+
+
+def test_a_concatenated_output_of_uneven_parts_is_split_by_default_and_read_back_joined(cli, files, tmp_path):
+    """Parts whose ranges differ over 16x get their own int8 scales by default; the manifest's joins make
+    eval and profile read the parts as the file's one output. --no-split-outputs keeps one tensor (and
+    one scale), and its scores come out coarser: the test that fails without the split."""
+    from edgeq.runtime.inputs import manifest_beside
+    from edgeq.runtime.interpreter import TFLiteModel, with_joins
+
+    path = tmp_path / "det.tflite"
+    path.write_bytes(_tflite(_detector_model))
+    (name,) = TFLiteModel(path).output_names
+    x = np.random.default_rng(2).uniform(0, 1, (200, *SHAPE)).astype(np.float32)
+    want = TFLiteModel(path).predict_outputs(x)[name]
+    score_error = {}
+    for flag in ("", "--no-split-outputs"):
+        out = tmp_path / f"q{flag}.tflite"
+        result = cli("convert", path, "--int8-only", "--calib", files["data"], "--out", out, *([flag] if flag else []))
+        assert result.exit_code == 0, result.output
+        manifest = json.loads(manifest_beside(out).read_text())
+        raw, joined = TFLiteModel(out), with_joins(TFLiteModel(out))
+        assert joined.output_names == [name]
+        got = joined.predict_outputs(x)[name]
+        assert got.shape == want.shape
+        score_error[flag] = float(np.abs(got[:, 4:] - want[:, 4:]).mean())
+        if flag:
+            assert manifest["joined_outputs"] == [] and len(raw.output_names) == 1
+            assert any("concatenates tensors whose ranges differ" in n for n in manifest["notes"]), manifest["notes"]
+            continue
+        assert len(raw.output_names) == 2 and len({o.scale for o in raw.outputs}) == 2, raw.outputs
+        assert manifest["delegate"]["partitions"] == 1, manifest["delegate"]  # no rescale before a concatenation
+        assert manifest["joined_outputs"][0]["output"] == name and len(manifest["joined_outputs"][0]["parts"]) == 2
+        assert any("split into its 2 concatenated parts" in n for n in manifest["notes"]), manifest["notes"]
+        assert [o["name"] for o in manifest["outputs"]] == [name]
+        np.savez(tmp_path / "eval.npz", x=x)
+        record = tmp_path / "eval.json"
+        result = cli("eval", out, "--reference", path, "--data", f"npz:{tmp_path / 'eval.npz'}", "--json", record)
+        assert result.exit_code == 0, result.output
+        assert [o["name"] for o in json.loads(record.read_text())["outputs"]] == [name]
+        profiled = tmp_path / "profile.json"
+        result = cli("profile", out, "--runs", "3", "--data", tmp_path / "eval.npz", "--compare", path,
+                     "--json", profiled)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "XNNPACK: 1 partition" in result.output, result.output
+    assert score_error[""] * 4 < score_error["--no-split-outputs"], score_error

@@ -63,10 +63,11 @@ def _mode_options(func):
     "models, 0:1, 0:255. Recorded in the manifest: eval and profile read raw images in these units.",
 )
 @click.option(
-    "--split-outputs",
-    is_flag=True,
+    "--split-outputs/--no-split-outputs",
+    default=None,
     help="For a float .tflite: an output that concatenates tensors (YOLO's boxes and scores) becomes those "
-    "tensors, each an output with its own int8 scale (declare them as a yolo detector's boxes and scores).",
+    "tensors, each an output with its own int8 scale (declare them as a yolo detector's boxes and scores). "
+    "By default only outputs whose parts' ranges differ over 16x are split, and read back as one output.",
 )
 @click.option(
     "--task",

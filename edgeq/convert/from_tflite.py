@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from edgeq.errors import ConversionError, UsageError
 from edgeq.models.spec import ModelSpec, describe_tflite
 from edgeq.quantize.float_model import prepared_float_model
 from edgeq.runtime.inputs import Normalization
-from edgeq.runtime.interpreter import TFLiteModel
+from edgeq.runtime.interpreter import TFLiteModel, with_joins
 
 MODES = (Mode.INT8_ONLY, Mode.INT8, Mode.INT16X8)
 # What a .tflite cannot be given, and what to bring instead.
@@ -75,7 +75,7 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     # LiteRT Quantizer's models have int8 inputs and outputs; --int8 lets the ops it has no int8 kernel for
     # (PRELU) stay float between DEQUANTIZE and QUANTIZE, --int8-only and --int16x8 refuse them
     spec, notes = replace(options.spec, integer_io=True, integer_only=options.spec.mode != Mode.INT8), []
-    prepared = prepared_float_model(path.read_bytes(), str(path), options.split_outputs)
+    prepared = prepared_float_model(path.read_bytes(), str(path), options.split_outputs is True)
     if prepared.split:
         notes.append(
             f"output(s) {', '.join(prepared.split)} split into the tensors each concatenated (--split-outputs)"
@@ -105,10 +105,14 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     held = dataset.held_out(VERIFY_SAMPLES if options.max_drop is None else None, select=0)
     started = time.perf_counter()
     ranges = _plan_ranges(options.plan, options.ptq) if options.plan else _ranges(options)
-    cal = calibrate_float(
-        prepared.content, dataset.calibration_samples(options.calib_samples), op_names(prepared.content), ranges
-    )
-    notes.extend(shared_scales(prepared.content, cal.calibration))
+    samples = dataset.calibration_samples(options.calib_samples)
+    cal = calibrate_float(prepared.content, samples, op_names(prepared.content), ranges)
+    uneven = uneven_concatenations(prepared.content, cal.calibration)
+    joins: list[dict] = []
+    if uneven and options.split_outputs is None:
+        prepared, cal, joins = _split_uneven(path, prepared, uneven, (samples, ranges), cal, notes)
+    else:
+        notes.extend(_uneven_note(u) for u in uneven)
     wide = cal.layers if spec.mode == Mode.INT16X8 else _planned_ops(path, options, cal.layers, notes)
     flatbuffer = _integer_edits(cal.quantize(wide, weight_bits=options.weight_bits), notes)
     seconds = time.perf_counter() - started
@@ -116,7 +120,7 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
         f"LiteRT Quantizer, {ranges} activation ranges (edgeq's observers), "
         f"{'16' if wide else '8'}-bit activations, {options.weight_bits}-bit weights"
     )
-    tflite = TFLiteModel(model_content=flatbuffer)
+    tflite = with_joins(TFLiteModel(model_content=flatbuffer), joins)
     try:
         verification = _verify(
             tflite, reference, spec, held, options.calib, options.io_type, source, options.min_sqnr_db, outputs,
@@ -130,7 +134,7 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
             ) from exc
         raise
     run = {"source": source, "is_qat": False, "ptq": None, "seconds": seconds, "model": None, "wide": list(wide),
-           "passes": prepared.record()}  # fmt: skip
+           "passes": prepared.record(), "joined_outputs": joins}  # fmt: skip
     manifest = _manifest(
         out, flatbuffer, tflite, spec, options, outputs, dataset, options.calib, verification, notes, run
     )
@@ -189,13 +193,34 @@ def _planned_ops(path: Path, options: ConvertOptions, ops: list[str], notes: lis
 PASS_THROUGH = ("RESHAPE", "TRANSPOSE", "SQUEEZE", "EXPAND_DIMS")
 
 
-def shared_scales(content: bytes, calibration: dict, ratio: float = 10.0) -> list[str]:
-    """Outputs made by a CONCATENATION of tensors whose calibrated ranges differ more than ``ratio``:
-    in one int8 tensor (one scale) the small ones (YOLO's scores beside its pixel boxes) round to a few
-    steps. Each finding names the output, the op and the ranges, and what to export instead."""
+# One int8 scale for a concatenation gives its smallest part (max |value| s of the whole's S) about
+# 255 * s / S steps. Past 16x that is under 16 steps, 4 bits: a 0..1 score then moves in steps of 1/16 or
+# coarser, enough to flip a detector's 0.5 threshold and to cost its mAP (MediaPipe's face detector, 71x).
+SPLIT_RATIO = 16.0
+
+
+@dataclass(frozen=True)
+class Uneven:
+    """An output a CONCATENATION writes whose parts' calibrated ranges differ more than SPLIT_RATIO."""
+
+    output: str  # as the signature names it
+    tensor: str
+    op: int
+    spans: tuple[float, ...]
+
+    @property
+    def ratio(self) -> float:
+        return max(self.spans) / max(min(self.spans), 1e-12)
+
+
+def uneven_concatenations(content: bytes, calibration: dict, ratio: float = SPLIT_RATIO) -> list[Uneven]:
+    """Outputs made by a CONCATENATION of tensors whose calibrated ranges differ more than ``ratio``: in
+    one int8 tensor (one scale) the small ones (YOLO's scores beside its pixel boxes) round to a few steps."""
     from edgeq.runtime.flatbuffer import verify_tflite
 
-    main = verify_tflite(content, "the float model").main
+    desc = verify_tflite(content, "the float model")
+    main = desc.main
+    shown = {t: n for sig in desc.signatures[:1] for n, t in sig.outputs.items()}  # the names a reader sees
     producer = {t: op for op in main.operators for t in op.outputs}
     found = []
     for output in main.outputs:
@@ -207,15 +232,49 @@ def shared_scales(content: bytes, calibration: dict, ratio: float = 10.0) -> lis
         names = [main.tensors[i].name for i in op.inputs if i >= 0]
         spans = [max(abs(float(np.min(calibration[n]["min"]))), abs(float(np.max(calibration[n]["max"]))))
                  for n in names if n in calibration]  # fmt: skip
-        if len(spans) < 2 or max(spans) <= ratio * max(min(spans), 1e-12):
-            continue
-        found.append(
-            f"output {main.tensors[output].name!r} concatenates tensors whose ranges differ "
-            f"{max(spans) / max(min(spans), 1e-12):.0f}x (max |value| {', '.join(f'{s:.3g}' for s in spans)}) in op "
-            f"{op.index} CONCATENATION: one int8 scale rounds the small ones to a few steps; convert with "
-            "--split-outputs (each part its own output and scale), or export the model with them apart"
-        )
+        if len(spans) >= 2 and max(spans) > ratio * max(min(spans), 1e-12):
+            found.append(Uneven(shown.get(output, main.tensors[output].name), main.tensors[output].name, op.index,
+                                tuple(spans)))  # fmt: skip
     return found
+
+
+def _concatenation_outputs(content: bytes) -> set[int]:
+    """The CONCATENATION ops that write a graph output themselves (what --split-outputs splits)."""
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    main = verify_tflite(content, "the float model").main
+    return {op.index for op in main.operators if op.op_type == "CONCATENATION" and set(op.outputs) & set(main.outputs)}
+
+
+def _uneven_note(u: Uneven) -> str:
+    return (
+        f"output {u.output!r} concatenates tensors whose ranges differ {u.ratio:.0f}x (max |value| "
+        f"{', '.join(f'{s:.3g}' for s in u.spans)}) in op {u.op} CONCATENATION: one int8 scale rounds the small "
+        "ones to a few steps; convert without --no-split-outputs (each part its own scale), or export the model "
+        "with them apart"
+    )
+
+
+def _split_uneven(path: Path, prepared, uneven: list[Uneven], calibration: tuple, cal, notes: list[str]):
+    """Each uneven output split into its parts (each its own int8 scale), calibrated again; the joins say
+    how eval, profile and verification read the parts back as the file's one output."""
+    from edgeq.quantize.mixed import calibrate_float, op_names
+
+    split = prepared_float_model(path.read_bytes(), str(path), {u.tensor for u in uneven})
+    if not split.joins:  # a concatenation behind a RESHAPE: the output is not the op's own, left as it is
+        notes.extend(_uneven_note(u) for u in uneven)
+        return prepared, cal, []
+    samples, ranges = calibration
+    cal = calibrate_float(split.content, samples, op_names(split.content), ranges)
+    # both in the graph's output order; a concatenation behind a RESHAPE is not split
+    found = [u for u in uneven if u.op in _concatenation_outputs(prepared.content)]
+    for (name, parts, _), u in zip(split.joins, found):
+        notes.append(
+            f"output {name!r} split into its {len(parts)} concatenated parts, each its own int8 scale: their "
+            f"ranges differ {u.ratio:.0f}x (> {SPLIT_RATIO:g}x); eval, profile and verification join "
+            "them back (manifest joined_outputs; --no-split-outputs keeps one tensor)"
+        )
+    return split, cal, [{"output": n, "parts": list(p), "axis": a} for n, p, a in split.joins]
 
 
 def _free_batch(content: bytes) -> bool:

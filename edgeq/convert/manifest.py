@@ -86,6 +86,9 @@ def _manifest(out, flatbuffer, tflite, spec, options, outputs, dataset, data_spe
         "delegate": _delegate_record(flatbuffer, notes),
         # a float .tflite's graph passes before quantization (edgeq.quantize.float_passes): pass -> ops changed
         "float_passes": run.get("passes"),
+        # outputs convert split into their concatenated parts (each its own int8 scale), read back joined
+        # (edgeq.runtime.interpreter.with_joins): output, parts, axis
+        "joined_outputs": run.get("joined_outputs") or [],
         "convert_seconds": round(seconds, 3),
         "notes": notes,
         "provenance": provenance(),
@@ -99,7 +102,8 @@ _OUTSIDE_HELP = {
     "RELU6": "a standalone RELU6 is taken only fused: export it fused into the op before it",
     "PRELU": "no int8 PRELU kernel: convert the float .tflite (edgeq writes PRELU as MUL/ADD)",
     "HARD_SWISH": "no int8 HARD_SWISH kernel: convert without --edgetpu (edgeq writes it as ADD/MUL)",
-    "QUANTIZE": "a float op sits between two int8 ones: --int8-only says which",
+    "QUANTIZE": "a float op sits between two int8 ones (--int8-only says which), or parts at other scales are "
+    "rescaled for a CONCATENATION (a .tflite's output: convert without --no-split-outputs)",
     "DEQUANTIZE": "a float op sits between two int8 ones: --int8-only says which",
 }
 

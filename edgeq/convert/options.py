@@ -180,7 +180,7 @@ class ConvertOptions:
     # --input-range LO:HI, for a .tflite: the float range its input takes 8-bit images to (MediaPipe: -1:1)
     input_range: str | None = None
     # --split-outputs, for a .tflite: an output a CONCATENATION writes (YOLO's boxes and scores) becomes its parts
-    split_outputs: bool = False
+    split_outputs: bool | None = None  # None: split where the parts' ranges differ (convert.from_tflite)
     task: str | None = None  # --task KIND | NAME=KIND,... | tasks.json: what each output is (else inferred)
     # --max-drop: outputs with a task metric are verified by it on labelled held-out samples (Verdict), not SQNR
     max_drop: float | None = None

@@ -43,8 +43,11 @@ def convert(model: Any, out: str | Path | None = None, options: ConvertOptions |
         return convert_float_tflite(Path(model), out, options)
     if options.input_range:
         raise UsageError("--input-range is for a float .tflite; a Keras model's run records its own (run.json)")
-    if options.split_outputs:
-        raise UsageError("--split-outputs is for a float .tflite; give a Keras model its heads as separate outputs")
+    if options.split_outputs is not None:
+        raise UsageError(
+            "--split-outputs/--no-split-outputs is for a float .tflite; give a Keras model its heads as separate "
+            "outputs"
+        )
     spec, calib_samples, plan = options.spec, options.calib_samples, options.plan
     notes: list[str] = []
     keras_model, reference_model, source, is_qat = _source(model, options, notes)

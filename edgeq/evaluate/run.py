@@ -114,9 +114,9 @@ def evaluate(
             raise ModelLoadError(f"{path}: no such model file")
     if model.suffix != ".tflite":
         raise ModelLoadError(f"{model}: edgeq eval compares a .tflite model; convert it first (edgeq convert)")
-    from edgeq.runtime.interpreter import TFLiteModel
+    from edgeq.runtime.interpreter import TFLiteModel, with_joins
 
-    quantized = TFLiteModel(model)
+    quantized = with_joins(TFLiteModel(model))  # outputs convert split, read as the file's one output
     described = describe_tflite(quantized, model)
     input_shape = described.input_shape
     inp = quantized.input

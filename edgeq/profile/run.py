@@ -49,7 +49,7 @@ from edgeq.runtime.inputs import (
     detection_beside,
     normalization_beside,
 )
-from edgeq.runtime.interpreter import TFLiteModel, quantize
+from edgeq.runtime.interpreter import TFLiteModel, quantize, with_joins
 from edgeq.tasks.metrics import metric
 from edgeq.tasks.table import TASKS, OutputSpec, compare, score
 
@@ -328,9 +328,11 @@ def _profile_one(
         runs.append(result)
         if facts is None:
             facts = _facts(model)
-            specs = output_specs(path, model, data)
+            joined = with_joins(model)  # outputs convert split, read as the file's one output
+            specs = output_specs(path, joined, data)
             if data is not None:
-                outputs = predict_all(model, data.x, kwargs.get("progress"), desc=f"{path.name} accuracy")
+                outputs = predict_all(joined, data.x, kwargs.get("progress"), desc=f"{path.name} accuracy")
+            del joined
         del model
     scores = _scores(outputs, data, specs, str(path)) if data is not None and outputs is not None else None
     detections = None

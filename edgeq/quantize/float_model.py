@@ -207,7 +207,7 @@ def _split_concatenated_outputs(model, s, only=None) -> tuple[tuple[str, tuple[s
     graph = model.subgraphs[0]
     consumed = {int(t) for op in graph.operators or [] for t in (op.inputs if op.inputs is not None else [])}
     producer = {int(t): op for op in graph.operators or [] for t in (op.outputs if op.outputs is not None else [])}
-    split, outputs = [], []
+    split, outputs, dropped = [], [], set()
     for output in (int(t) for t in graph.outputs):
         op = producer.get(output)
         parts = [int(t) for t in op.inputs] if op is not None and op.inputs is not None else []
@@ -224,19 +224,22 @@ def _split_concatenated_outputs(model, s, only=None) -> tuple[tuple[str, tuple[s
         outputs += parts
         graph.operators = [o for o in graph.operators if o is not op]
         axis = int(op.builtinOptions.axis) % len(graph.tensors[output].shape)
-        split.append((_name(graph.tensors[output]), tuple(_name(graph.tensors[p]) for p in parts), axis))
+        shown = _name(graph.tensors[output])  # the name a reader sees: the signature's where it has one
         for signature in model.signatureDefs or []:
             entries = []
             for entry in signature.outputs or []:
                 if int(entry.tensorIndex) != output:
                     entries.append(entry)
                     continue
+                shown = entry.name.decode() if isinstance(entry.name, bytes) else str(entry.name)
                 for part in parts:
                     new = s.TensorMapT()
                     new.name, new.tensorIndex = _name(graph.tensors[part]), part
                     entries.append(new)
             signature.outputs = entries
+        split.append((shown, tuple(_name(graph.tensors[p]) for p in parts), axis))
+        dropped.add(output)
     graph.outputs = outputs
-    orphans = {i for i, t in enumerate(graph.tensors) if _name(t) in {name for name, _, _ in split}}
+    orphans = dropped
     drop_unused_tensors(model, graph, orphans)  # a tensor no op writes would have no value to calibrate
     return tuple(split)

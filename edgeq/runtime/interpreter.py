@@ -424,3 +424,83 @@ class TFLiteModel:
                 )
             )
         return result
+
+
+class JoinedOutputs:
+    """A model whose outputs ``edgeq convert`` split (each part of a concatenated output its own int8 scale)
+    read as the file's own outputs: each part dequantized with its scale, then concatenated back.
+
+    ``joins``: the manifest's ``joined_outputs`` records (``output``, ``parts``, ``axis``: the axis of the
+    float file's output). Raw tensors (``invoke_raw_outputs``, ``verify``) stay the parts; everything
+    that reads dequantized outputs by name (eval, profile, convert's verification) sees the joined ones.
+    """
+
+    def __init__(self, model: TFLiteModel, joins: list[dict]) -> None:
+        self._model = model
+        self._joins = [(str(j["output"]), [str(p) for p in j["parts"]], int(j["axis"])) for j in joins]
+        names = model.output_names
+        missing = [p for _, parts, _ in self._joins for p in parts if p not in names]
+        if missing:
+            raise ModelLoadError(
+                f"{model._where}: its manifest joins outputs it does not have ({', '.join(missing[:3])}): the "
+                "manifest is not this model's; convert it again"
+            )
+        infos = dict(zip(names, model.outputs))
+        part_of = {p: j for j in self._joins for p in j[1]}
+        self._names: list[str] = []
+        self._infos: list[TensorInfo] = []
+        for name in names:
+            join = part_of.get(name)
+            if join is None:
+                self._names.append(name)
+                self._infos.append(infos[name])
+            elif join[1][0] == name:  # a joined output stands where its first part stood
+                first = infos[name]
+                shape = list(first.shape)
+                shape[join[2]] = sum(infos[p].shape[join[2]] for p in join[1])
+                self._names.append(join[0])
+                # no one scale for the whole: each part has its own (scale 0 says so)
+                self._infos.append(TensorInfo(join[0], -1, tuple(shape), first.dtype, 0.0, 0))
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self._names)
+
+    @property
+    def outputs(self) -> list[TensorInfo]:
+        return list(self._infos)
+
+    @property
+    def output(self) -> TensorInfo:
+        return self._infos[0]
+
+    def output_named(self, name: str) -> TensorInfo:
+        for info, key in zip(self._infos, self._names):
+            if key == name:
+                return info
+        raise ModelLoadError(f"{self._model._where}: no output named {name!r} (it has {', '.join(self._names)})")
+
+    def predict_outputs(self, x: Mapping[str, np.ndarray] | np.ndarray, batch_size: int = 1) -> dict[str, np.ndarray]:
+        parts = self._model.predict_outputs(x, batch_size)
+        joined = {}
+        for name, members, axis in self._joins:
+            joined[name] = np.concatenate([parts.pop(p) for p in members], axis=axis)
+        parts.update(joined)
+        return {name: parts[name] for name in self._names}
+
+    def predict(self, x: np.ndarray, batch_size: int = 1) -> np.ndarray:
+        if len(self._names) != 1:
+            raise ModelLoadError(f"{self._model._where} has {len(self._names)} outputs; read them by name")
+        return self.predict_outputs(x, batch_size)[self._names[0]]
+
+
+def with_joins(model: TFLiteModel, joins: list[dict] | None = None):
+    """``model`` with its split outputs joined (``JoinedOutputs``) as its manifest records them, or as given."""
+    if joins is None and model.path is not None:
+        from edgeq.runtime.inputs import recorded_beside
+
+        joins = recorded_beside(model.path, "joined_outputs")
+    return JoinedOutputs(model, joins) if joins else model
