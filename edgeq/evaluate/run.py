@@ -74,7 +74,14 @@ def _reference_outputs(reference: Path, x) -> tuple[dict, int, ModelSpec]:
     from edgeq.runtime.interpreter import TFLiteModel
 
     if reference.suffix == ".tflite":
-        ref = TFLiteModel(reference)
+        from edgeq.quantize.float_model import prepared_float_model
+
+        # a float file runs as convert read it (MediaPipe's custom transposed conv as TRANSPOSE_CONV, float16
+        # constants as float32): the same outputs within float error, and it loads where LiteRT lacks its ops
+        content = reference.read_bytes()
+        if _is_float(content, reference):
+            content = prepared_float_model(content, str(reference)).content
+        ref = TFLiteModel(model_content=content)
         return ref.predict_outputs(x, batch_size=1), reference.stat().st_size, describe_tflite(ref, reference)
     from edgeq.models.load import describe, keras_outputs, load_user_model
     from edgeq.shims.tflite import keras_converter, native_output_silenced
@@ -84,6 +91,15 @@ def _reference_outputs(reference: Path, x) -> tuple[dict, int, ModelSpec]:
     with native_output_silenced():
         fp32_size = len(converter.convert())
     return keras_outputs(model, x, batch_size=256), fp32_size, describe(model, reference)
+
+
+def _is_float(content: bytes, where: Path) -> bool:
+    """A float file (float inputs and outputs, no int8 activations): what convert's passes read."""
+    from edgeq.runtime.flatbuffer import verify_tflite
+
+    main = verify_tflite(content, str(where)).main
+    io = [main.tensors[i] for i in (*main.inputs, *main.outputs)]
+    return all(t.dtype == "float32" for t in io) and not any(t.dtype == "int8" for t in main.tensors)
 
 
 def _targets(dataset, names: list[str]) -> dict:

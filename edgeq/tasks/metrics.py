@@ -170,6 +170,10 @@ METRICS: dict[str, Metric] = {
         Metric("max_error", "max error", False, False, "%"),
         Metric("reconstruction_mse", "reconstruction MSE", False, False, "%"),
         Metric("r2", "R\u00b2", False, True, ""),
+        Metric("iou", "mask IoU", False, True, "points"),
+        Metric("pixel_accuracy", "pixel accuracy", True, True, "pp"),
+        Metric("point_error", "mean point error (px)", False, False, ""),
+        Metric("max_point_error", "max point error (px)", False, False, ""),
     )
 }
 

@@ -96,6 +96,25 @@ TASKS: dict[str, Task] = {
         False,
         "mse",
     ),
+    "segmentation": Task(
+        "segmentation",
+        "a per-pixel mask: (H, W, 1) probabilities (threshold 0.5) or (H, W, C) class scores",
+        "masks (N, H, W): 0/1, or class ids",
+        "binary_crossentropy",
+        ("iou", "pixel_accuracy"),
+        "iou",
+        False,
+    ),
+    "landmarks": Task(
+        "landmarks",
+        "points in input pixels: (K, D) or (K * D) values, D = 3 (x, y, z) where K * D divides by 3, else 2; "
+        "judged by the mean (x, y) distance in pixels",
+        "the points, in the output's layout",
+        "mse",
+        ("point_error", "max_point_error"),
+        "point_error",
+        False,
+    ),
     "detection_boxes": Task(
         "detection_boxes",
         "a detector's box head (edgeq.tasks.detection decodes it with the score head; judged together by mAP)",
@@ -190,6 +209,9 @@ def infer_kind(
     by_head = _head_kind("classification" if activation == "softmax" else activation, shape)
     if by_head is not None:
         return by_head
+    spatial = input_shape is not None and len(shape) == 3 and len(input_shape) == 3 and shape[:2] == input_shape[:2]
+    if activation in ("sigmoid", "softmax") and spatial and tuple(shape) != tuple(input_shape):
+        return "segmentation"  # a score per input pixel, not a copy of the input
     if targets is not None:
         t = np.asarray(targets)
         ids = t.ndim == 1 or (t.ndim == 2 and t.shape[1] == 1)
@@ -342,6 +364,8 @@ def score(spec: OutputSpec, outputs: np.ndarray, targets: np.ndarray | None, inp
         return result
     if targets is None or kind == "other":
         return {}
+    if kind in ("segmentation", "landmarks"):
+        return (_mask_scores if kind == "segmentation" else _point_scores)(spec, out, np.asarray(targets))
     t = np.asarray(targets)
     if len(t) != len(out):
         raise DataError(f"output {spec.name!r}: {len(t)} targets for {len(out)} samples")
@@ -386,6 +410,56 @@ def score(spec: OutputSpec, outputs: np.ndarray, targets: np.ndarray | None, inp
         "max_error": float(np.max(np.abs(err))) if err.size else 0.0,
         "r2": 1.0 - float(np.sum(err**2)) / total if total > 0 else float("nan"),
     }
+
+
+def _mask(spec: OutputSpec, values: np.ndarray) -> np.ndarray:
+    """An (N, H, W) mask: a 1-channel output thresholded, class scores by argmax, labels as they are."""
+    v = np.asarray(values)
+    if v.ndim == 4 and v.shape[-1] > 1:
+        return np.argmax(v, axis=-1)
+    v = v.reshape(v.shape[:3]) if v.ndim == 4 else v
+    return (v >= spec.threshold).astype(np.int64) if np.issubdtype(v.dtype, np.floating) else v.astype(np.int64)
+
+
+def _mask_scores(spec: OutputSpec, out: np.ndarray, targets: np.ndarray) -> dict:
+    """Mean IoU over the classes present (a 1-channel mask: of the foreground) and pixel accuracy."""
+    got = _mask(spec, out)
+    want = _mask(spec, targets.astype(np.float32) if targets.ndim == 4 and targets.shape[-1] == 1 else targets)
+    if got.shape != want.shape:
+        raise DataError(f"output {spec.name!r}: masks of {want.shape[1:]} for its {got.shape[1:]} pixels")
+    if out.ndim == 4 and out.shape[-1] > 1:  # class scores: the mean over the classes either mask holds
+        classes = np.union1d(np.unique(got), np.unique(want))
+    else:  # one probability per pixel: the foreground's IoU
+        classes = np.asarray([1])
+    ious = []
+    for c in classes:
+        union = np.logical_or(got == c, want == c).sum()
+        ious.append(np.logical_and(got == c, want == c).sum() / union if union else 1.0)
+    return {"iou": float(np.mean(ious)), "pixel_accuracy": float(np.mean(got == want))}
+
+
+def _points(values: np.ndarray) -> np.ndarray:
+    """(N, K, D) points of a (N, K, D) or flat (N, K * D) output (D = 3 where it divides, else 2)."""
+    v = np.asarray(values, np.float64)
+    if v.ndim == 3:
+        return v
+    flat = v.reshape(len(v), -1)
+    dims = 3 if flat.shape[1] % 3 == 0 else 2
+    return flat.reshape(len(v), -1, dims)
+
+
+def _point_scores(spec: OutputSpec, out: np.ndarray, targets: np.ndarray) -> dict:
+    got, want = _points(out), _points(targets)
+    if got.shape != want.shape:
+        raise DataError(f"output {spec.name!r}: targets of {want.shape[1:]} points for its {got.shape[1:]}")
+    distance = np.linalg.norm(got[..., :2] - want[..., :2], axis=-1)
+    return {"point_error": float(np.mean(distance)), "max_point_error": float(np.max(distance))}
+
+
+# Outputs a float .tflite's conversion judges against the float file's own answers where the data has no
+# labels, and the budget it gives them (worse by, in the metric's change unit); landmarks: 1% of the input
+# width, in pixels (edgeq.convert.verify).
+AGAINST_FLOAT = {"binary": 1.0, "segmentation": 5.0, "landmarks": 0.01}
 
 
 def worse_by(spec: OutputSpec, reference: dict, quantized: dict) -> float | None:
