@@ -27,6 +27,7 @@ Device side: the standard library and ``ssh-keygen`` only (no TensorFlow, no par
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -52,6 +53,13 @@ ARCHIVE = ".releases"  # in the store: each release's files under its number, fo
 DEFAULT_EXPIRY = "30d"  # a daily timer lives with it; re-sign (edgeq release --resign) before it runs out
 PREVIOUS = ".previous"
 PART = ".part-"
+# What a store or a network in the middle can make a device read (TUF's endless-data and slow-retrieval
+# attacks): release.json and its signatures at most METADATA_LIMIT bytes (a release of 1,000 files is about
+# 150 KiB), a model file exactly its signed size; each download done within --timeout plus its size at
+# --min-rate, whatever the server drips.
+METADATA_LIMIT = 512 * 1024
+MIN_RATE = 16 * 1024  # bytes/s: 128 kbit/s, a poor mobile link
+CHUNK = 64 * 1024
 
 
 def parse_duration(text: str) -> int:
@@ -153,6 +161,11 @@ def _write_signed(out: Path, record: dict, keys, lifetime: int, archive: Path) -
     now = time.time()
     record = {**record, "created": _stamp(now), "expires": _stamp(now + lifetime)}
     text = json.dumps(record, indent=2, sort_keys=True) + "\n"
+    if len(text.encode()) > METADATA_LIMIT:  # a device would refuse it as endless data
+        raise UsageError(
+            f"{out / RELEASE} would be {len(text.encode())} bytes, over the {METADATA_LIMIT // 1024} KiB a device "
+            "reads (edgeq.fleet.release.METADATA_LIMIT): split the files into several releases"
+        )
     tmp = out / f".{RELEASE}.tmp"
     tmp.write_text(text, encoding="utf-8")
     keys = [keys] if isinstance(keys, (str, Path)) else list(keys or [])
@@ -232,12 +245,58 @@ def _now() -> str:
     return _stamp(time.time())
 
 
-def _fetch(url: str, timeout: float) -> bytes:
+@dataclass(frozen=True)
+class Limits:
+    """How much a pull reads, and how slowly it lets a server send it (see METADATA_LIMIT)."""
+
+    timeout: float = 60.0  # seconds per socket operation
+    min_rate: float = MIN_RATE  # bytes/s over a whole download
+    metadata: int = METADATA_LIMIT  # bytes of release.json or its signatures
+
+    def deadline(self, size: int) -> float:
+        """Seconds a download of ``size`` bytes may take in all."""
+        return self.timeout + size / self.min_rate
+
+
+def _fetch(url: str, limits: Limits) -> bytes:
+    """A metadata file (release.json, its signatures): at most ``limits.metadata`` bytes, in memory."""
+    sink = io.BytesIO()
+    _download(url, sink, limits.metadata, limits, exact=False)
+    return sink.getvalue()
+
+
+def _download(url: str, sink, size: int, limits: Limits, exact: bool) -> str:
+    """Stream ``url`` into ``sink`` in chunks: at most ``size`` bytes (``exact``: exactly that many), within
+    ``limits.deadline(size)`` seconds in all; returns its sha256. A bound crossed is a one-line TransferError."""
+    what = "its signed size" if exact else "the metadata limit (edgeq.fleet.release.METADATA_LIMIT)"
+    deadline = time.monotonic() + limits.deadline(size)
+    digest, got = hashlib.sha256(), 0
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the user's release URL
-            return response.read()
+        with urllib.request.urlopen(url, timeout=limits.timeout) as response:  # noqa: S310 - the user's release URL
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > size:
+                raise TransferError(f"{url}: the server announces {int(declared)} bytes, over {what} ({size}); "
+                                    "nothing applied")  # fmt: skip
+            read = getattr(response, "read1", response.read)  # one socket read at a time, so a drip is seen
+            while True:
+                chunk = read(min(CHUNK, size - got + 1))
+                if not chunk:
+                    break
+                got += len(chunk)
+                if got > size:
+                    raise TransferError(f"{url}: more than {what} ({size} bytes): refused, nothing applied")
+                digest.update(chunk)
+                sink.write(chunk)
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        f"{url}: {got} bytes in {limits.deadline(size):.0f} s, below the minimum rate "
+                        f"({limits.min_rate / 1024:g} KiB/s, --min-rate): dropped as a slow retrieval, nothing applied"
+                    )
     except OSError as exc:  # URLError, HTTPError, timeouts
         raise TransferError(f"{url}: cannot fetch it ({exc})") from exc
+    if exact and got != size:
+        raise TransferError(f"{url}: {got} bytes, not its signed size {size}: refused, nothing applied")
+    return digest.hexdigest()
 
 
 _BLOCK = re.compile(rb"-----BEGIN SSH SIGNATURE-----.*?-----END SSH SIGNATURE-----\n?", re.S)
@@ -285,12 +344,15 @@ def pull(
     allowed_signers: str | Path | None = None,
     timeout: float = 60.0,
     threshold: int = 1,
+    min_rate: float = MIN_RATE,
 ) -> PullResult:
     """Make the release at ``url`` live in ``workdir``/models (see the module's docstring).
 
     ``allowed_signers``: release.json must be signed by a key it names (principal
     ``edgeq-release``); None accepts an unsigned release, which only a trusted network should.
     ``threshold``: how many distinct keys of it must have signed (the device's rule, not the store's).
+    ``timeout`` (seconds per socket operation) and ``min_rate`` (bytes/s over each download) bound how long a
+    server may take; release.json and its signatures are read up to METADATA_LIMIT, a file up to its signed size.
 
     Raises:
         TransferError: the release cannot be fetched, its signature or a file's sha256 is wrong
@@ -299,12 +361,15 @@ def pull(
     base = url.rstrip("/") + "/"
     folder = Path(workdir).expanduser() / "models"
     folder.mkdir(parents=True, exist_ok=True)
-    raw = _fetch(urllib.parse.urljoin(base, RELEASE), timeout)
+    if timeout <= 0 or min_rate <= 0:
+        raise UsageError("--timeout and --min-rate must be above 0")
+    limits = Limits(timeout=timeout, min_rate=min_rate)
+    raw = _fetch(urllib.parse.urljoin(base, RELEASE), limits)
     fetched = 1
     if allowed_signers is not None:
         if not Path(allowed_signers).is_file():
             raise UsageError(f"{allowed_signers}: no such allowed_signers file")
-        _verify(raw, _fetch(urllib.parse.urljoin(base, SIGNATURE), timeout), Path(allowed_signers), threshold)
+        _verify(raw, _fetch(urllib.parse.urljoin(base, SIGNATURE), limits), Path(allowed_signers), threshold)
         fetched += 1
     release, files, version = _parse_release(raw, base)
     applied = _applied(folder)
@@ -316,7 +381,7 @@ def pull(
     live = live if isinstance(live, dict) else {}
     there = {n: sha256_file(folder / n) if (folder / n).is_file() else None for n in files}
     changed = [n for n, e in files.items() if there[n] != e["sha256"]]
-    fetched += _apply_files(folder, base, files, changed, there, live, timeout)
+    fetched += _apply_files(folder, base, files, changed, there, live, limits)
     _record_live(folder, files, live, changed)
     record = {
         "number": number, "version": version, "expires": release.get("expires"),
@@ -338,6 +403,9 @@ def _parse_release(raw: bytes, base: str) -> tuple[dict, dict, str]:
             isinstance(e, dict) and isinstance(e.get("sha256"), str) for e in files.values()
         ):
             raise TypeError("'files' must map each name to its sha256")
+        unsized = [n for n, e in files.items() if type(e.get("size")) is not int or e["size"] < 0]
+        if unsized:  # the size bounds the download: without it a store could send a file without end
+            raise TypeError(f"{unsized[0]!r} has no signed size in bytes; re-release it with this edgeq")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise TransferError(f"{base}{RELEASE}: not an edgeq release ({exc})") from exc
     for name in files:
@@ -347,7 +415,7 @@ def _parse_release(raw: bytes, base: str) -> tuple[dict, dict, str]:
 
 
 def _apply_files(
-    folder: Path, base: str, files: dict, changed: list[str], there: dict, live: dict, timeout: float
+    folder: Path, base: str, files: dict, changed: list[str], there: dict, live: dict, limits: Limits
 ) -> int:
     """Download and check every changed file, then make them live (the replaced one kept); returns the requests made."""
     fetched = 0
@@ -355,14 +423,13 @@ def _apply_files(
     try:
         for name in changed:  # every file downloaded and checked before any is made live
             part = folder / f".{name}{PART}{os.getpid()}"
-            data = _fetch(urllib.parse.urljoin(base, urllib.parse.quote(name)), timeout)
-            fetched += 1
-            with open(part, "wb") as fh:  # on disk before it can be renamed live
-                fh.write(data)
+            parts[name] = part
+            with open(part, "wb") as fh:  # streamed to disk, on disk before it can be renamed live
+                url = urllib.parse.urljoin(base, urllib.parse.quote(name))
+                fetched += 1
+                got = _download(url, fh, files[name]["size"], limits, exact=True)
                 fh.flush()
                 os.fsync(fh.fileno())
-            parts[name] = part
-            got = hashlib.sha256(data).hexdigest()
             if got != files[name]["sha256"]:
                 raise TransferError(f"{base}{name}: sha256 {got} is not the release's")
         for name, part in parts.items():

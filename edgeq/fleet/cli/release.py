@@ -74,7 +74,14 @@ def release(files, out, version, keys, number, expires, resign, rollback_to, cos
     help="ssh-keygen allowed_signers file naming the release key (principal edgeq-release).",
 )
 @click.option("--unsigned", is_flag=True, help="Accept a release without a signature (trusted networks only).")
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds per HTTP request.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds per socket read or connect.")
+@click.option(
+    "--min-rate",
+    type=float,
+    default=16.0,
+    show_default=True,
+    help="KiB/s: a download slower than this on average (past --timeout) is dropped, as a slow-retrieval attack.",
+)
 @click.option(
     "--threshold",
     type=click.IntRange(min=1),
@@ -82,7 +89,7 @@ def release(files, out, version, keys, number, expires, resign, rollback_to, cos
     show_default=True,
     help="Distinct keys of --allowed-signers that must have signed the release (k of n).",
 )
-def pull(url, workdir, allowed_signers, unsigned, timeout, threshold):
+def pull(url, workdir, allowed_signers, unsigned, timeout, min_rate, threshold):
     """Make the release at URL live in WORKDIR/models: only changed files are fetched, each
     checked by sha256, the replaced version kept for `edgeq push --rollback`."""
     from edgeq.errors import UsageError
@@ -92,7 +99,7 @@ def pull(url, workdir, allowed_signers, unsigned, timeout, threshold):
         raise UsageError("give --allowed-signers FILE to check the release's signature (or --unsigned to skip it)")
     if unsigned and threshold > 1:
         raise UsageError("--threshold counts signatures: it needs --allowed-signers, not --unsigned")
-    result = run_pull(url, workdir, None if unsigned else allowed_signers, timeout, threshold)
+    result = run_pull(url, workdir, None if unsigned else allowed_signers, timeout, threshold, min_rate * 1024)
     if result.updated:
         click.echo(
             f"release {result.version} (number {result.number}): updated {', '.join(result.updated)} "
