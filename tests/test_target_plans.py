@@ -75,7 +75,11 @@ def test_cpu_plan_times_every_candidate_and_keeps_the_fastest_float_islands(cli,
     assert ways == {"int8", "int8 (LiteRT Quantizer)", "float islands", "int16 islands"}, ways
     assert all(p["latency_ms"] > 0 and p["ranges"] == "minmax" for p in points)
     # each candidate's delegate structure, counted as it was timed
-    assert all(p["partitions"] >= 1 for p in points) and "XNNPACK partitions" in result.output
+    # (an int16 island runs outside XNNPACK: a candidate all int16 may have none)
+    assert all(p["partitions"] >= (p["way"] != "int16 islands") for p in points), [
+        (p["way"], p["partitions"]) for p in points
+    ]
+    assert "XNNPACK partitions" in result.output
     # a candidate meets the budget when its paired 95% interval does
     meeting = {w: [p for p in points if p["way"] == w and p["worse_by_high"] <= 2] for w in ways}
     assert meeting["float islands"] and meeting["int16 islands"], points  # both ways meet the budget...
