@@ -216,13 +216,13 @@ def _outside(run: dict) -> str:
 def _mask_iou(quantized: Path, reference: Path, data: str) -> float:
     """The selfie mask (> 0.5) of the int8 file against the float file's, IoU over eval's images."""
     from edgeq.data.sources import load_dataset
-    from edgeq.runtime.interpreter import TFLiteModel, with_joins
-
     from edgeq.quantize.float_model import prepared_float_model
+    from edgeq.runtime.interpreter import TFLiteModel, with_joins
 
     q = with_joins(TFLiteModel(quantized))
     f = TFLiteModel(model_content=prepared_float_model(reference.read_bytes(), str(reference)).content)
-    x, _ = load_dataset(data, tuple(f.input.shape[1:]), labels_required=False).split("train")  # eval's images, in 0..1 as the model's
+    # eval's images, in 0..1 as the model's
+    x, _ = load_dataset(data, tuple(f.input.shape[1:]), labels_required=False).split("train")
     a = f.predict(x) > 0.5
     b = q.predict(x) > 0.5
     return float(np.logical_and(a, b).sum() / max(1, np.logical_or(a, b).sum()))
