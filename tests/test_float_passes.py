@@ -401,3 +401,46 @@ def test_masks_points_and_presence_of_a_float_tflite_are_judged_by_their_task_ag
                  "--max-drop", "0")  # fmt: skip
     assert_one_line_error(strict, "verification failed")
     assert not (tmp_path / "s.tflite").exists()
+
+
+def _negated_square_model(keras, x):
+    """basic-pitch's shape of graph: an output (``first``) that later ops read too, a NEG and a SQUARE."""
+    import tensorflow as tf
+
+    first = keras.layers.Conv2D(4, 3, padding="same", name="first")(x)
+    y = keras.layers.Lambda(lambda t: tf.square(tf.negative(t)), name="neg_square")(first)
+    return [first, keras.layers.Conv2D(2, 1, name="second")(y)]
+
+
+def test_neg_square_and_an_output_read_inside_the_graph_stay_int8_and_named(cli, files, tmp_path):
+    from edgeq.quantize.float_model import prepared_float_model
+    from edgeq.quantize.passes import signature_outputs
+    from edgeq.runtime.flatbuffer import is_integer_only, read_tflite
+    from edgeq.runtime.inputs import manifest_beside
+    from edgeq.runtime.interpreter import TFLiteModel
+
+    path = tmp_path / "negsq.tflite"
+    path.write_bytes(_tflite(_negated_square_model))
+    prepared = prepared_float_model(path.read_bytes(), str(path))
+    assert {"negations", "squares"} <= set(prepared.record()), prepared.passes
+    x = np.random.default_rng(1).uniform(0, 1, (4, *SHAPE)).astype(np.float32)
+    want, got = _outputs(path.read_bytes(), x), _outputs(prepared.content, x)
+    assert set(want) == set(got) == {"first", "second"}
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+    # without the passes: NEG and SQUARE stay float; and LiteRT Quantizer's float copy of `first` as the output
+    without = _int8_without_passes(path, files["data"])
+    assert not is_integer_only(read_tflite_bytes(without))
+    fixed, named = signature_outputs(without)
+    assert named == ["first"] and "first" not in TFLiteModel(model_content=without).output_names
+    assert sorted(TFLiteModel(model_content=fixed).output_names) == ["first", "second"]
+    out = tmp_path / "q.tflite"
+    result = cli("convert", path, "--int8-only", "--calib", files["data"], "--out", out, "--min-sqnr", "15")
+    assert result.exit_code == 0, result.output
+    notes = " ".join(json.loads(manifest_beside(out).read_text())["notes"])
+    assert "NEG op(s) written as MUL by -1" in notes and "SQUARE op(s) written as MUL(x, x)" in notes, notes
+    assert is_integer_only(read_tflite(out))
+    model = TFLiteModel(out)
+    assert sorted(model.output_names) == ["first", "second"]
+    assert all(o.dtype == "int8" for o in model.outputs)
+    assert json.loads(manifest_beside(out).read_text())["float_passes"].keys() >= {"negations", "squares"}

@@ -121,7 +121,7 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
         f"LiteRT Quantizer, {ranges} activation ranges (edgeq's observers), "
         f"{'16' if wide else '8'}-bit activations, {options.weight_bits}-bit weights"
     )
-    tflite = with_joins(TFLiteModel(model_content=flatbuffer), joins)
+    tflite = with_joins(_quantized_model(flatbuffer, path), joins)
     targets = _held_targets(dataset, held, outputs)
     # no labels for a mask, points or a presence score: judged by its task against the float file's answers
     against_float = frozenset(o.name for o in outputs if o.kind in AGAINST_FLOAT and targets.get(o.name) is None)
@@ -146,11 +146,30 @@ def convert_float_tflite(path: Path, out: str | Path | None, options: ConvertOpt
     return conversion_result(out, flatbuffer, manifest, spec, seconds, verification, False, notes)
 
 
+def _quantized_model(flatbuffer: bytes, path: Path) -> TFLiteModel:
+    """The int8 file in the interpreter. One it cannot load is edgeq's doing, never the user's: refused, and
+    nothing is written."""
+    from edgeq.errors import ModelLoadError
+
+    try:
+        return TFLiteModel(model_content=flatbuffer)
+    except ModelLoadError as exc:
+        why = str(exc).split("cannot load it: ", 1)[-1]
+        raise ConversionError(
+            f"{path}: edgeq wrote an int8 file this interpreter cannot load ({why}); that is edgeq's bug, not "
+            "the model's: nothing was written; please report it with the .tflite, and --int8 may convert meanwhile"
+        ) from exc
+
+
 def _integer_edits(flatbuffer: bytes, notes: list[str]) -> bytes:
     """After LiteRT Quantizer: data-movement ops it left float made int8, int8 HARD_SWISH as ADD/MUL (XNNPACK
     has no int8 kernel for it), each named in the notes."""
-    from edgeq.quantize.passes import integer_movers, unfuse_hard_swish
+    from edgeq.quantize.passes import integer_movers, signature_outputs, unfuse_hard_swish
 
+    flatbuffer, named = signature_outputs(flatbuffer)
+    if named:
+        notes.append(f"output(s) {', '.join(named)} named by the signature again (LiteRT Quantizer had made a "
+                     "float copy the output)")  # fmt: skip
     flatbuffer, moved = integer_movers(flatbuffer)
     if moved:
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(moved.items()))

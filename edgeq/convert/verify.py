@@ -65,9 +65,13 @@ def _check_contract(tflite, spec: ModeSpec, io_type: str, source_name: str, name
             "them (edgeq.tasks.detection, layouts centre and plain), or convert with --int8 to keep it float"
         )
     if spec.integer_only and floats:
+        # the ops that compute in float, named first (the DEQUANTIZE/QUANTIZE around each only carry it)
+        computing = sorted({f.split("#")[0] for f in floats} - {"DEQUANTIZE", "QUANTIZE"})
+        kinds = f"no int8 form here for {', '.join(computing)}; " if computing else ""
         raise IntegerOnlyError(
-            f"{source_name}: not integer-only: {len(floats)} op(s) still run in float: {', '.join(floats[:12])}"
-            f"{' ...' if len(floats) > 12 else ''}; replace those ops or convert with --int8 (float fallback)"
+            f"{source_name}: not integer-only: {kinds}{len(floats)} op(s) still run in float: "
+            f"{', '.join(floats[:12])}{' ...' if len(floats) > 12 else ''}; replace those ops or convert with --int8 "
+            "(float fallback)"
         )
     return tuple(floats)
 
@@ -213,7 +217,8 @@ def _output_row(o, ref, got, threshold: float, targets, x, max_drop, source_name
     }
     if ok:
         return row, None
-    return row, Verdict.from_dict(verdict).line() if by_task else f"{o.name} {cmp.sqnr_db:.1f} dB < {threshold:.1f}"
+    sqnr = f"{o.name} SQNR {cmp.sqnr_db:.1f} dB < {threshold:.1f}"
+    return row, Verdict.from_dict(verdict).line() if by_task else sqnr
 
 
 def _verification_failure(source_name, failed, verification, per_output, max_drop) -> str:
@@ -223,15 +228,19 @@ def _verification_failure(source_name, failed, verification, per_output, max_dro
         return f"{source_name}: verification failed on {n} held-out samples: {'; '.join(failed)}; try QAT (edgeq train)"
     agreement = f", top-1 agreement {verification.agreement:.1%}" if verification.agreement is not None else ""
     answers = [Verdict.from_dict(p["verdict"]).line() for p in per_output if p.get("verdict") and not p["passed"]]
+    answers = [a for a in answers if a not in failed]  # a task's verdict that failed is said once
     judged = f"; by its task: {'; '.join(answers)}" if answers else ""
     hint = "; --max-drop PP judges a classifier by its answers" if answers or agreement else ""
     if str(source_name).endswith(".tflite"):  # no source model: QAT is out of reach, these are not
         against, tries = "the float .tflite", "--ptq mse or percentile, --int16x8, edgeq analyze plan, or --task"
     else:
         against, tries = "the Keras model", "QAT (edgeq train), per-channel"
+    # what failed, in its own terms: an SQNR below --min-sqnr, or a task's verdict (a mask's IoU, points' error)
+    by_sqnr = any(p["judged_by"] == "sqnr_db" and not p["passed"] for p in per_output)
+    accept = ", or --min-sqnr to accept it" if by_sqnr else ", or --task other (judged by SQNR) to accept it"
     return (
-        f"{source_name}: verification failed: output SQNR vs {against} below the threshold on {n} held-out "
-        f"samples ({'; '.join(failed)}{agreement}){judged}; try {tries}, or --min-sqnr to accept it{hint}"
+        f"{source_name}: verification failed vs {against} on {n} held-out samples ({'; '.join(failed)}{agreement})"
+        f"{judged}; try {tries}{accept}{hint}"
     )
 
 

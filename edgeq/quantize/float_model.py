@@ -197,6 +197,13 @@ def _graph_passes(model, s, where: str) -> list[tuple[str, int, str]]:
     if rewritten:
         done.append(("prelu", rewritten, f"{rewritten} PRELU op(s) written as a * x + (1 - a) * relu(x) in MUL, ADD "
                      "and SUB ops: int8 kernels in LiteRT Quantizer and XNNPACK, where PRELU has none"))  # fmt: skip
+    negated = fp.negations(model, s)
+    if negated:
+        done.append(("negations", negated, f"{negated} NEG op(s) written as MUL by -1: LiteRT has no int8 NEG"))
+    squared = fp.squares(model, s)
+    if squared:
+        done.append(("squares", squared, f"{squared} SQUARE op(s) written as MUL(x, x): int8 kernels where SQUARE "
+                     "has none in LiteRT Quantizer"))  # fmt: skip
     return done
 
 

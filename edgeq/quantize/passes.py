@@ -322,7 +322,10 @@ def drop_unused_tensors(model, graph, candidates: set[int]) -> None:
 
 
 # Ops that move int8 codes without computing on them: at int8 their output has their input's scale.
-_MOVERS = ("DEPTH_TO_SPACE", "SPACE_TO_DEPTH", "RESHAPE", "TRANSPOSE", "SQUEEZE", "EXPAND_DIMS", "MIRROR_PAD")
+# each mover and the version of it that takes int8 (TFLite's op_version.cc: RESHAPE, SQUEEZE and EXPAND_DIMS
+# move any type at version 1, and LiteRT registers EXPAND_DIMS at version 1 only: a 2 makes a file it refuses)
+_MOVERS = {"DEPTH_TO_SPACE": 2, "SPACE_TO_DEPTH": 2, "RESHAPE": 1, "TRANSPOSE": 2, "SQUEEZE": 1, "EXPAND_DIMS": 1,
+           "MIRROR_PAD": 2}  # fmt: skip
 
 
 def integer_movers(content: bytes) -> tuple[bytes, dict[str, int]]:
@@ -363,7 +366,8 @@ def integer_movers(content: bytes) -> tuple[bytes, dict[str, int]]:
         op.inputs = np.asarray([int(source.inputs[0]), *(int(t) for t in op.inputs[1:])], np.int32)
         moved = graph.tensors[out]
         moved.type, moved.quantization = int8, codes.quantization
-        model.operatorCodes[op.opcodeIndex].version = max(model.operatorCodes[op.opcodeIndex].version, 2)
+        code = model.operatorCodes[op.opcodeIndex]
+        code.version = max(code.version, _MOVERS[name])
         for quantize in after:
             target = graph.tensors[int(quantize.outputs[0])]
             same = (
@@ -385,3 +389,36 @@ def integer_movers(content: bytes) -> tuple[bytes, dict[str, int]]:
     ]  # fmt: skip
     drop_unused_tensors(model, graph, set(range(len(graph.tensors))))
     return _packed(model, len(content)), done
+
+
+def signature_outputs(content: bytes) -> tuple[bytes, list[str]]:
+    """A signature output that LiteRT Quantizer no longer makes a graph output, named again.
+
+    Where a graph output is also read inside the graph (basic-pitch's ``contour`` feeds ``note`` and
+    ``onset``), LiteRT Quantizer gives the graph a float DEQUANTIZE of it as the output
+    (``..._dequant``) and leaves the signature on the int8 tensor, which is then no output: the
+    interpreter drops its name. The int8 tensor becomes the output again (as every other output
+    of the file: int8), and the ops inside read the DEQUANTIZE's float as before."""
+    s = schema()
+    model = _unpacked(content)
+    graph = model.subgraphs[0]
+    outputs = [int(t) for t in graph.outputs]
+    dequantized = {
+        int(op.inputs[0]): int(op.outputs[0])
+        for op in graph.operators
+        if _builtin(model, op) == s.BuiltinOperator.DEQUANTIZE and op.inputs is not None
+    }
+    named = []
+    for signature in model.signatureDefs or []:
+        if signature.subgraphIndex != 0:
+            continue
+        for entry in signature.outputs or []:
+            index = int(entry.tensorIndex)
+            if index in outputs or dequantized.get(index) not in outputs:
+                continue
+            outputs[outputs.index(dequantized[index])] = index
+            named.append(entry.name.decode() if isinstance(entry.name, bytes) else str(entry.name))
+    if not named:
+        return content, []
+    graph.outputs = np.asarray(outputs, np.int32)
+    return _packed(model, len(content)), named
