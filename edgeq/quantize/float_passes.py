@@ -334,36 +334,34 @@ def _prelu_ops(model, s, graph, x: int, alpha: np.ndarray, y: int) -> list:
     return [*ops, _binary(model, s, s.BuiltinOperator.ADD, [linear, signed], y)]
 
 
-def negations(model, s) -> int:
-    """Each float NEG as MUL by a constant -1: LiteRT has no int8 NEG kernel (float, int32, int64 only),
-    and int8 MUL runs in LiteRT and XNNPACK; -x is exact in float. How many."""
+def _as_mul(model, s, op_name: str, second) -> int:
+    """Each float ``op_name`` op as MUL(x, second(graph, x, y)); how many."""
     graph = model.subgraphs[0]
     rewritten, ops = 0, []
     for op in graph.operators or []:
-        x = int(op.inputs[0]) if _op_name(s, model, op) == "NEG" else -1
+        x = int(op.inputs[0]) if _op_name(s, model, op) == op_name else -1
         if x < 0 or graph.tensors[x].type != s.TensorType.FLOAT32:
             ops.append(op)
             continue
         y = int(op.outputs[0])
-        minus = _float_constant(model, s, graph, (graph.tensors[y].name or b"neg") + b"/minus_one",
-                                np.asarray(-1.0, np.float32))  # fmt: skip
-        ops.append(_binary(model, s, s.BuiltinOperator.MUL, [x, minus], y))
+        ops.append(_binary(model, s, s.BuiltinOperator.MUL, [x, second(graph, x, y)], y))
         rewritten += 1
     graph.operators = ops
     return rewritten
+
+
+def negations(model, s) -> int:
+    """Each float NEG as MUL by a constant -1: LiteRT has no int8 NEG kernel (float, int32, int64 only),
+    and int8 MUL runs in LiteRT and XNNPACK; -x is exact in float. How many."""
+
+    def minus_one(graph, x, y):
+        name = (graph.tensors[y].name or b"neg") + b"/minus_one"
+        return _float_constant(model, s, graph, name, np.asarray(-1.0, np.float32))
+
+    return _as_mul(model, s, "NEG", minus_one)
 
 
 def squares(model, s) -> int:
     """Each float SQUARE as MUL(x, x): LiteRT Quantizer leaves SQUARE float, int8 MUL runs in LiteRT and
     XNNPACK; x * x is SQUARE's own float. How many."""
-    graph = model.subgraphs[0]
-    rewritten, ops = 0, []
-    for op in graph.operators or []:
-        x = int(op.inputs[0]) if _op_name(s, model, op) == "SQUARE" else -1
-        if x < 0 or graph.tensors[x].type != s.TensorType.FLOAT32:
-            ops.append(op)
-            continue
-        ops.append(_binary(model, s, s.BuiltinOperator.MUL, [x, x], int(op.outputs[0])))
-        rewritten += 1
-    graph.operators = ops
-    return rewritten
+    return _as_mul(model, s, "SQUARE", lambda graph, x, y: x)
