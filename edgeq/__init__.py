@@ -18,7 +18,7 @@ import sys
 import types
 
 __version__ = "0.1.0"
-__all__ = ["train", "convert", "evaluate", "analyze", "profile", "push", "verify", "report", "__version__"]
+__all__ = ["train", "convert", "evaluate", "analyze", "optimize", "profile", "push", "verify", "report", "__version__"]
 
 _API = frozenset(__all__) - {"__version__"}
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the result types, for readers and type checkers; not import
     from edgeq.report.build import ReportResult
     from edgeq.train.config import TrainResult
 
-__all__ = ["train", "convert", "evaluate", "analyze", "profile", "push", "verify", "report"]
+__all__ = ["train", "convert", "evaluate", "analyze", "optimize", "profile", "push", "verify", "report"]
 
 
 def train(model: str, data: str | None = None, out_dir: str | Path = "runs/run", **options: Any) -> TrainResult:
@@ -146,6 +146,43 @@ def analyze(
     out = Path(out) if out else Path(model).with_name("plan.json")
     planner = make_tflite_plan if str(model).endswith(".tflite") else make_plan  # a .tflite's plan: its ops
     return planner(model, data, max_drop_pp, out, samples=samples, fallback=fallback)
+
+
+def optimize(
+    model: str | Path,
+    data: str,
+    *,
+    max_drop_pp: float,
+    target: str = "cpu",
+    out: str | Path | None = None,
+    **options: Any,
+) -> dict:
+    """The fastest verified model: PTQ with each range method, the target's plan, QAT, QAT with the plan's
+    islands, stopping at the first rung faster than FP32 within the budget on test.
+
+    Args:
+        model: the FP32 .keras/.h5/SavedModel (one input, one output).
+        data: a data source; its val split chooses each candidate, its test split confirms it, once.
+        max_drop_pp: the budget, met by the upper end of the paired 95% interval.
+        target: cpu, edgetpu, npu16x8 or a target .toml.
+        out: the folder to write (new); default ``MODEL_optimized`` beside the model.
+        **options: ``max_size`` (bytes), ``ranges``, ``calib_samples``, ``timer`` (``timer(model_bytes) -> ms``),
+            ``task``, ``qat_epochs``, ``say`` (a progress printer).
+
+    Returns:
+        What optimize.json records: every rung, the chosen file, its test verdict and the closing line.
+
+    Raises:
+        QualityGateError: no rung met the budget on test faster than FP32 (optimize.json is written first).
+        UsageError: a QAT model, a folder that is not empty, a model analyze cannot plan.
+    """
+    from edgeq.optimize.folder import optimize_folder
+    from edgeq.optimize.ladder import gate
+
+    out = Path(out) if out else Path(model).with_name(f"{Path(model).stem}_optimized")
+    record = optimize_folder(model, data, target, max_drop_pp, out, **options)
+    gate(record)
+    return record
 
 
 def profile(

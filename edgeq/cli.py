@@ -24,6 +24,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("edgeq.convert.cli", "convert", "Convert a Keras model to a verified TFLite model."),
     "eval": ("edgeq.evaluate.cli", "eval_command", "Compare a quantized model with its FP32 reference."),
     "analyze": ("edgeq.analyze.cli", "analyze", "Weight statistics, layer sensitivity, budgeted precision plans."),
+    "optimize": (
+        "edgeq.optimize.cli",
+        "optimize",
+        "The fastest verified model: PTQ, the target plan, then QAT, confirmed on test.",
+    ),
     "data": ("edgeq.data.cli", "data", "Look at datasets and export splits to .npz for devices."),
     "profile": (
         "edgeq.profile.cli",

@@ -10,7 +10,7 @@ import pytest
 
 import edgeq
 
-PUBLIC = ("train", "convert", "evaluate", "analyze", "profile", "push", "verify", "report")
+PUBLIC = ("train", "convert", "evaluate", "analyze", "optimize", "profile", "push", "verify", "report")
 
 
 def test_every_public_name_is_a_documented_typed_function():

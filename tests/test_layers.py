@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.analyze",),
     ("edgeq.fleet",),
     ("edgeq.report",),
+    ("edgeq.optimize",),  # the ladder over convert, analyze and train; its folder's report
     # each command's module, in or beside its stage, over what they share (ui)
     ("edgeq.ui",),
     (
@@ -51,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
         "edgeq.train.cli",
         "edgeq.evaluate.cli",
         "edgeq.analyze.cli",
+        "edgeq.optimize.cli",
         "edgeq.profile.cli",
         "edgeq.report.cli",
         "edgeq.fleet.cli",

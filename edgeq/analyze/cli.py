@@ -325,7 +325,7 @@ def _names(layers, shown: int = 4) -> str:
     return ", ".join(layers[:shown]) + more
 
 
-def _device_timer(name: str, inventory_path, accept_new: bool, runs: int, results_dir):
+def device_timer(name: str, inventory_path, accept_new: bool, runs: int, results_dir):
     """``timer(model_bytes) -> ms`` on one device of the inventory: the fleet's remote profile of each candidate."""
     import itertools
     from pathlib import Path
@@ -355,7 +355,7 @@ def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, 
     import json
     from pathlib import Path
 
-    from edgeq.analyze.speed import host_timer, make_target_plan
+    from edgeq.analyze.speed import SAME_SPEED, host_timer, make_target_plan
     from edgeq.errors import QualityGateError, UsageError
     from edgeq.tasks.verdicts import Verdict
 
@@ -364,7 +364,7 @@ def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, 
                          "--granularity per-tensor (a .tflite: plan it without --target)")  # fmt: skip
     if speed["on_device"]:
         candidates = Path(out).with_name(Path(out).stem + ".candidates")
-        timer = _device_timer(speed["on_device"], speed["inventory_path"], speed["accept_new_host_keys"],
+        timer = device_timer(speed["on_device"], speed["inventory_path"], speed["accept_new_host_keys"],
                               speed["runs"], candidates)  # fmt: skip
     else:
         timer = host_timer(runs=speed["runs"])
@@ -389,6 +389,19 @@ def _target_plan(model, data, max_drop, out, calib_samples, split, granularity, 
             f"on {record['latency_on']} FP32 ({fp32['latency_ms']:.3g} ms) is faster than every quantized model that "
             f"meets the budget (the chosen: {result.best.latency_ms:.3g} ms): "
             + (f"faster ones miss the budget; QAT may reach both: {qat}" if qat else "int8 buys size here, not speed")
+        )
+    if record.get("in_disguise"):
+        qat = record["commands"].get("qat")
+        click.echo(
+            f"no real gain: the chosen is the FP32 model in disguise ({record['in_disguise']}); QAT may reach "
+            f"int8 within the budget: {qat}"
+        )
+    if record.get("as_fast"):
+        p = result.frontier[min(record["as_fast"], key=lambda i: result.frontier[i].latency_ms)]
+        click.echo(
+            f"as fast, within a median's noise ({SAME_SPEED:.0%}): {p.way} ({p.ranges} ranges) at {p.latency_ms:.3g} "
+            f"ms, at most {p.worse_by_high:+.2f} {metric(result.metric).change_label}, also within the budget; "
+            "the plan keeps the most accurate of them"
         )
     if record.get("unresolved_faster") is not None:
         p = result.frontier[record["unresolved_faster"]]

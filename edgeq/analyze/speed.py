@@ -48,6 +48,22 @@ LITERT_INT8 = (
 # Candidates this close to the fastest are as fast, within the noise of a median: the most accurate of them is kept
 SAME_SPEED = 0.05
 QAT_EPOCHS = 3
+# Float islands that keep more than this share of the layers float, or a file this close to FP32's size, are
+# the FP32 model under another name: no real gain, whatever their accuracy (a trained EfficientNetB0's plan kept
+# 173 layers float at FP32's size and called it a pass)
+MOSTLY_FLOAT = 0.5
+FP32_SIZED = 0.9
+
+
+def in_disguise(point: PlanPoint, movable: int, fp32_size: int) -> str | None:
+    """What a candidate that is the FP32 model in disguise is (``float islands: 173 of 180 layers float``),
+    or None when it is a real quantized model. ``movable``: the layers a plan could move."""
+    if point.way != WAYS["float"] or not point.float_layers:
+        return None
+    share = point.size_bytes / fp32_size if fp32_size else 0.0
+    if len(point.float_layers) > MOSTLY_FLOAT * movable or share >= FP32_SIZED:
+        return f"float islands: {len(point.float_layers)} of {movable} layers float, {share:.0%} of FP32's size"
+    return None
 
 
 def host_timer(runs: int = 50, warmup: int = 5, threads: int = 1):
@@ -102,19 +118,14 @@ def make_target_plan(
     if not meets(base):
         for way in ways:
             search.islands(way, base.ranges, max_drop_pp, meets)
-    accurate = [p for p in frontier if meets(p)]
-    meeting = [p for p in accurate if max_size is None or p.size_bytes <= max_size]
-    if accurate and not meeting:  # the budget is met, the size is not: the smallest that meets the budget
-        best = min(accurate, key=lambda p: (p.size_bytes, p.latency_ms))
-    elif meeting:
-        fastest = min(p.latency_ms for p in meeting)
-        tied = [p for p in meeting if p.latency_ms <= fastest * (1 + SAME_SPEED)]
-        best = min(tied, key=lambda p: (p.worse_by, p.size_bytes, len(p.changed), p.latency_ms))
-    else:
-        best = min(frontier, key=lambda p: (p.worse_by, p.latency_ms))
+    best, accurate, meeting = _choose(
+        frontier, meets, max_size, lambda p: in_disguise(p, search.movable, fp32["size_bytes"])
+    )
     # slower than FP32 beyond a median's noise, while a faster candidate missed the budget: QAT may reach both
     slow = best.latency_ms > fp32["latency_ms"] * (1 + SAME_SPEED)
-    qat_may_help = slow and any(p.latency_ms < fp32["latency_ms"] for p in frontier if p not in meeting)
+    disguise = in_disguise(best, search.movable, fp32["size_bytes"])
+    faster_missed = any(p.latency_ms < fp32["latency_ms"] for p in frontier if p not in meeting)
+    qat_may_help = bool(disguise) or (slow and faster_missed)
     _check_layer_names(model, model_path, best)
     verdict = judge(
         quality.spec, fp32["reference"], outputs[_key(best)], quality.targets, quality.inputs, max_drop_pp,
@@ -130,6 +141,9 @@ def make_target_plan(
         slower_than_fp32=bool(meeting) and slow,
         too_big=bool(accurate) and not meeting,
         unresolved_faster=_unresolved_faster(frontier, best, max_drop_pp, max_size),
+        as_fast=_as_fast(frontier, best, meeting),
+        in_disguise=disguise,
+        movable_layers=search.movable,
         **_metric_fields(quality.metric),
     )
     out = Path(out)
@@ -140,6 +154,25 @@ def make_target_plan(
         f"{data} ({split})", round(time.perf_counter() - start, 3), best.way or "int8", quality.label_free,
         quality.metric, len(x), verdict,
     )  # fmt: skip
+
+
+def _choose(frontier, meets, max_size, disguised):
+    """The chosen candidate, those that meet the budget, and those that meet it and ``max_size``: the
+    fastest (the most accurate of those as fast, within SAME_SPEED), a real quantized model before the FP32
+    model in disguise; where the size misses, the smallest within the budget; where nothing meets it, the
+    most accurate."""
+    accurate = [p for p in frontier if meets(p)]
+    meeting = [p for p in accurate if max_size is None or p.size_bytes <= max_size]
+    meeting = [p for p in meeting if not disguised(p)] or meeting
+    if accurate and not meeting:
+        best = min(accurate, key=lambda p: (p.size_bytes, p.latency_ms))
+    elif meeting:
+        fastest = min(p.latency_ms for p in meeting)
+        tied = [p for p in meeting if p.latency_ms <= fastest * (1 + SAME_SPEED)]
+        best = min(tied, key=lambda p: (p.worse_by, p.size_bytes, len(p.changed), p.latency_ms))
+    else:
+        best = min(frontier, key=lambda p: (p.worse_by, p.latency_ms))
+    return best, accurate, meeting
 
 
 def _high(point: PlanPoint) -> float:
@@ -156,10 +189,17 @@ def _meets(max_drop_pp: float):
 
 def _unresolved_faster(frontier, best: PlanPoint, max_drop_pp: float, max_size) -> int | None:
     """The fastest candidate faster than ``best`` that is within the budget by its point estimate alone
-    (its interval reaches past it: more samples would tell), as its index on the frontier."""
+    (its interval reaches past it: more samples would tell), as its index on the frontier. One within
+    the budget by its interval too is not that: the same-speed rule passed it over (``_as_fast``)."""
     small = [p for p in frontier if max_size is None or p.size_bytes <= max_size]
-    faster = [p for p in small if p.latency_ms < best.latency_ms and p.worse_by <= max_drop_pp]
+    faster = [p for p in small if p.latency_ms < best.latency_ms and p.worse_by <= max_drop_pp < _high(p)]
     return frontier.index(min(faster, key=lambda p: p.latency_ms)) if faster else None
+
+
+def _as_fast(frontier, best: PlanPoint, meeting) -> list[int]:
+    """The candidates that meet the budget by their interval and are faster than ``best`` by less than
+    SAME_SPEED (a median's noise): the plan kept the most accurate of them, ``best``."""
+    return [frontier.index(p) for p in meeting if p is not best and p.latency_ms < best.latency_ms]
 
 
 def _ways(tgt, fallback: str | None) -> tuple[str, ...]:
@@ -187,6 +227,7 @@ class _Search:
         self.calibrated: dict[str, object] = {}
         self.progress = progress or (lambda _: None)
         self.fp32: dict = {}
+        self.movable = 0  # the model's own layers the converter quantizes: what islands may move
 
     def _measurer(self, cal, fallback: str, method: str, way: str):
         reference, measure, seen = measuring(cal, self.x, self.quality, fallback, self.timer, (method, way))
@@ -208,6 +249,8 @@ class _Search:
         if not cal.nodes:
             raise UsageError("the converter quantized no layer: there is nothing to plan")
         self.calibrated[method] = cal
+        named = {layer.name for layer in self.model.layers}
+        self.movable = max(self.movable, sum(name in named for name in cal.layers))
         reference, measure = self._measurer(cal, "float", method, "int8")
         if not self.fp32:
             self.fp32 = {

@@ -11,6 +11,7 @@ from edgeq import __version__
 from edgeq.artifacts import atomic_path
 from edgeq.errors import DataError, MissingExtraError
 from edgeq.report.format import Check, change_label, fixed, metric_change, metric_label, metric_value, pct, signed, size
+from edgeq.report.ladder import ladders
 from edgeq.report.sections import (
     _fleet,
     _models,
@@ -76,11 +77,13 @@ def _render(sources: Sources, title: str | None, jinja2) -> tuple[str, dict]:
     models, model_checks = _models(sources)
     plans, plan_checks = _plans(sources)
     fleet, fleet_checks = _fleet(sources)
+    ladder, ladder_checks = ladders(sources)
     context = {
         "title": title or "edgeq report",
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "edgeq_version": __version__,
-        "verdict": _verdict(model_checks + plan_checks + fleet_checks),
+        "verdict": _verdict(ladder_checks + model_checks + plan_checks + fleet_checks),
+        "ladders": ladder,
         "models": models,
         "outputs": _outputs(sources),
         "training": _training(sources),
@@ -112,5 +115,6 @@ def build_report(paths: list[str | Path], out: str | Path, title: str | None = N
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         Path(tmp).write_text(page, encoding="utf-8")
-    sections = tuple(k for k in ("models", "training", "sensitivity", "plans", "weights", "ops", "fleet") if context[k])
+    names = ("ladders", "models", "training", "sensitivity", "plans", "weights", "ops", "fleet")
+    sections = tuple(k for k in names if context[k])
     return ReportResult(out, out.stat().st_size, time.perf_counter() - start, context["verdict"]["status"], sections)

@@ -18,6 +18,7 @@ KINDS = {
     "edgeq.analyze.weights": "weights",
     "edgeq.analyze.sensitivity": "sensitivity",
     "edgeq.verify": "verify",
+    "edgeq.optimize": "ladder",
 }
 SCHEMAS = {"edgeq.profile": "profile", "edgeq.inspect": "inspect"}
 SKIPPED_DIRS = {"checkpoint", "__pycache__"}
