@@ -20,7 +20,6 @@ from edgeq.models.compat import keras
 from edgeq.optimize.ladder import refusal, resolvable_agreement
 from edgeq.train.stages import _compile
 from tests.conftest import assert_one_line_error
-from tests.test_target_plans import outlier16  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +58,11 @@ def test_ptq_that_meets_the_budget_stops_the_ladder_at_rung_1(cli, mlp, tmp_path
     assert test["n"] == record["splits"]["test"] == 359 and test["interval95"][1] <= 2 and test["passed"]
     # one folder to ship: the chosen file and its manifest, the plan, the record and the report
     assert sorted(p.name for p in out.iterdir()) == [
-        "optimize.json", "plan.json", "ptq.manifest.json", "ptq.tflite", "report.html"
+        "candidates", "optimize.json", "plan.json", "ptq.manifest.json", "ptq.tflite", "report.html"
     ]  # fmt: skip
+    assert sorted(p.name for p in (out / "candidates").iterdir()) == ["fp32.manifest.json", "fp32.tflite"]
+    fp32 = record["fp32"]
+    assert fp32["latency_ms"] == min(fp32["timings_ms"]) and fp32["final_ms"] > 0
     assert json.loads((out / "ptq.manifest.json").read_text())["mode"] == "int8-only"
     page = (out / "report.html").read_text()
     assert "Optimize: the ladder" in page and "ladder frontier" in page
@@ -74,7 +76,7 @@ def test_ptq_that_meets_the_budget_stops_the_ladder_at_rung_1(cli, mlp, tmp_path
     assert json.loads((out / "optimize.json").read_text()) == record
 
 
-def test_the_outlier_cnn_that_ptq_cannot_quantize_reaches_qat_and_meets_the_budget(cli, outlier16, tmp_path):  # noqa: F811
+def test_the_outlier_cnn_that_ptq_cannot_quantize_reaches_qat_and_meets_the_budget(cli, outlier16, tmp_path):
     out = tmp_path / "opt"
     result, record = _optimize(cli, outlier16, out, "--data", "digits", "--target", "edgetpu", "--ranges", "minmax")
     assert result.exit_code == 0, result.output

@@ -1,7 +1,7 @@
 """`analyze plan --target`: plans that weigh speed on the target as well as accuracy.
 
-The model is the outlier digits CNN of test_analyze, seen at 16x16 (an UpSampling2D first): one
-conv1 channel x1000, compensated in conv2, so full int8 misses a 2 pp budget, and maps large
+The model is conftest's ``outlier16``, the outlier digits CNN of test_analyze seen at 16x16 (an UpSampling2D
+first): one conv1 channel x1000, compensated in conv2, so full int8 misses a 2 pp budget, and maps large
 enough that LiteRT's 16x8 reference kernels are many times slower than XNNPACK's float ones.
 """
 
@@ -10,51 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from edgeq.data.sources import load_dataset
-from edgeq.models.compat import keras
 from edgeq.quantize.targets import load_target
-from edgeq.train.stages import _compile
 from tests.conftest import assert_one_line_error
-
-FACTOR = 1000.0
-
-
-def _outlier_cnn(conv1_filters: int):
-    L = keras.layers
-    inputs = L.Input((8, 8, 1), name="input")
-    h = L.UpSampling2D(2, name="up")(inputs)
-    h = L.Conv2D(conv1_filters, 3, padding="same", activation="relu", name="conv1")(h)
-    h = L.Conv2D(32, 3, padding="same", activation="relu", name="conv2")(h)
-    h = L.MaxPooling2D(2, name="pool")(h)
-    h = L.Conv2D(32, 3, padding="same", activation="relu", name="conv3")(h)
-    return keras.Model(inputs, L.Dense(10, activation="softmax", name="head")(L.GlobalAveragePooling2D(name="gap")(h)))
-
-
-@pytest.fixture(scope="module")
-def outlier16(tmp_path_factory):
-    """Trained with 16 conv1 filters, then given a 17th: filter 0 x1000, which conv2 reads with zero
-    weights. The FP32 function is unchanged and every weight tensor keeps its scale; only conv1's
-    activations span 1000x their useful range, which 16 bits resolve and 8 do not."""
-    keras.utils.set_random_seed(0)
-    d = load_dataset("digits")
-    trained = _outlier_cnn(16)
-    _compile(trained, 3e-3)
-    trained.fit(d.x_train, d.y_train, epochs=12, batch_size=32, verbose=0)
-    model = _outlier_cnn(17)
-    for layer in trained.layers:
-        if layer.name not in ("conv1", "conv2"):
-            model.get_layer(layer.name).set_weights(layer.get_weights())
-    w1, b1 = trained.get_layer("conv1").get_weights()
-    model.get_layer("conv1").set_weights(
-        [np.concatenate([w1, FACTOR * w1[..., :1]], -1), np.concatenate([b1, FACTOR * b1[:1]])]
-    )
-    w2, b2 = trained.get_layer("conv2").get_weights()
-    model.get_layer("conv2").set_weights([np.concatenate([w2, np.zeros_like(w2[:, :, :1])], 2), b2])
-    same = np.abs(model.predict(d.x_test, verbose=0) - trained.predict(d.x_test, verbose=0)).max()
-    assert same < 1e-4, same
-    path = tmp_path_factory.mktemp("outlier16") / "outlier16.keras"
-    model.save(path)
-    return path
 
 
 def _plan(cli, model, tmp_path, name: str, *extra):

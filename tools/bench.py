@@ -26,6 +26,7 @@ SECTIONS = (
     "ptq",
     "mixed",
     "speed",
+    "optimize",
     "tasks",
     "detection",
     "pretrained",
