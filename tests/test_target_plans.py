@@ -64,6 +64,7 @@ def test_cpu_plan_times_every_candidate_and_keeps_the_fastest_float_islands(cli,
     assert shown.exit_code == 0 and "latency" in page and "FP32" in page and "float islands" in page
 
 
+@pytest.mark.slow  # 44 s; make test keeps the cpu plan's int16 islands, test_optimize the edgetpu ladder
 def test_npu16x8_plan_picks_int16_islands_and_the_edge_tpu_plan_only_ranges(cli, outlier16, tmp_path):
     result, saved = _plan(cli, outlier16, tmp_path, "npu", "--target", "npu16x8", "--ranges", "minmax")
     assert result.exit_code == 0, result.output
