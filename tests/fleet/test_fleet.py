@@ -729,6 +729,6 @@ def test_a_plan_times_its_candidates_on_the_device(cli, fleet, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["latency_on"] == "x86-venv, 1 thread" and saved["latency_ms"] > 0 and saved["fp32"]["latency_ms"] > 0
     profiles = sorted((tmp_path / "plan.candidates" / "profiles" / "x86-venv").glob("*.profile.json"))
-    assert len(profiles) == 2, profiles  # FP32 and the int8 candidate, each profiled on the device
+    assert len(profiles) == 3, profiles  # FP32 twice (the faster kept) and the int8 candidate, each on the device
     medians = sorted(json.loads(p.read_text())["model"]["runs"][0]["latency"]["median_ms"] for p in profiles)
-    assert medians == sorted([saved["fp32"]["latency_ms"], saved["latency_ms"]])
+    assert saved["fp32"]["latency_ms"] in medians and saved["latency_ms"] in medians
