@@ -74,6 +74,10 @@ def test_ptq_that_meets_the_budget_stops_the_ladder_at_rung_1(cli, mlp, tmp_path
     again = cli("optimize", mlp, "--data", "digits", "--max-drop", "2", "--out", out)
     assert_one_line_error(again, "--out", "not empty")
     assert json.loads((out / "optimize.json").read_text()) == record
+    # a model that cannot be read: one line, and no folder left behind
+    missing = cli("optimize", tmp_path / "none.keras", "--data", "digits", "--max-drop", "2", "--out", tmp_path / "x")
+    assert_one_line_error(missing, "none.keras")
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_outlier_cnn_that_ptq_cannot_quantize_reaches_qat_and_meets_the_budget(cli, outlier16, tmp_path):

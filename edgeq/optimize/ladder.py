@@ -97,11 +97,11 @@ def optimize(
     out = Path(out)
     if out.exists() and any(p.name != "device" for p in out.iterdir()):  # device/: --on's profiles
         raise UsageError(f"--out {out}: the folder is not empty; give a new folder (optimize writes a whole one)")
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     ladder = Ladder(Path(model_path), data, max_drop_pp, out, load_target(target), timer or host_timer(),
                     max_size, calib_samples, task, say or (lambda _: None))  # fmt: skip
-    val, ladder.test = _judgings(ladder)
+    val, ladder.test = _judgings(ladder)  # a model or data that cannot be read leaves no folder behind
+    out.mkdir(parents=True, exist_ok=True)
     ladder.say(_sizes_line(ladder))
     plan = _plan_rungs(ladder, ranges, progress)
     chosen = next((r for r in ladder.rungs if r.outcome == "chosen"), None)
