@@ -27,6 +27,8 @@ BUDGET_PP = 1.0
 
 def _plan_alone(record: dict, out: Path, fp32: Path, data: str) -> dict:
     """The plan's own pick (what `analyze plan --target cpu` hands back), judged on test."""
+    from edgeq.analyze.plan import PlanPoint
+    from edgeq.analyze.speed import conversion_of
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
     from edgeq.evaluate.run import evaluate
@@ -43,13 +45,10 @@ def _plan_alone(record: dict, out: Path, fp32: Path, data: str) -> dict:
     if built is not None:
         row["test"] = built["test"]
         return row
-    options = {"calib": data, "min_sqnr_db": -1000.0}
-    if best["wide_layers"] or best["way"] == "int8 (LiteRT Quantizer)":
-        options |= {"mode": "int8-only", "plan": str(out / "plan.json")}
-    elif best["float_layers"]:
-        options |= {"mode": "int8", "plan": str(out / "plan.json")}
-    else:
-        options |= {"mode": "int8-only", "ptq": best["ranges"]}
+    options = conversion_of(
+        PlanPoint(**{**best, **{k: tuple(best[k]) for k in ("float_layers", "int4_layers", "wide_layers")}}),
+        out / "plan.json",
+    ) | {"calib": data, "min_sqnr_db": -1000.0}
     path = out.parent / f"{out.name}_plan_alone.tflite"
     convert(fp32, path, ConvertOptions(**options))
     row["test"] = evaluate(path, fp32, data, split="test").verdicts[0]

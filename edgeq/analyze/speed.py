@@ -324,15 +324,21 @@ def _record(model_path, data: str, max_drop_pp, tgt, quality, fp32: dict, best, 
     }
 
 
+def conversion_of(best: PlanPoint, plan_path) -> dict:
+    """The ConvertOptions fields that build a target plan's chosen candidate (its mode, plan or ranges)."""
+    if best.wide_layers or best.way == LITERT_INT8:
+        return {"mode": "int8-only", "plan": str(plan_path)}
+    if best.float_layers:
+        return {"mode": "int8", "plan": str(plan_path)}
+    return {"mode": "int8-only", "ptq": best.ranges}
+
+
 def _commands(model_path, data: str, out, best: PlanPoint, tgt, met: bool, label_free: bool) -> dict:
     """What to run next: the conversion that builds the chosen model, or the QAT the budget needs."""
-    edgetpu = " --edgetpu" if tgt.name == "edgetpu" else ""
-    if best.wide_layers or best.way == LITERT_INT8:
-        convert = f"edgeq convert {model_path} --int8-only --plan {out} --calib {data}{edgetpu}"
-    elif best.float_layers:
-        convert = f"edgeq convert {model_path} --int8 --plan {out} --calib {data}"
-    else:
-        convert = f"edgeq convert {model_path} --int8-only --ptq {best.ranges} --calib {data}{edgetpu}"
+    options = conversion_of(best, out)
+    edgetpu = " --edgetpu" if tgt.name == "edgetpu" and options["mode"] == "int8-only" else ""
+    how = f"--plan {out}" if "plan" in options else f"--ptq {best.ranges}"
+    convert = f"edgeq convert {model_path} --{options['mode']} {how} --calib {data}{edgetpu}"
     commands = {"convert": convert}
     if not met:
         distill = " --distill" if label_free else ""
