@@ -22,10 +22,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from edgeq.analyze.sensitivity import load_fp32_with_data, quality_of
-from edgeq.analyze.speed import LITERT_INT8, QAT_EPOCHS, SAME_SPEED, host_timer, in_disguise, make_target_plan
+from edgeq.analyze.speed import QAT_EPOCHS, SAME_SPEED, conversion_of, host_timer, in_disguise, make_target_plan
 from edgeq.errors import ConversionError, DataError, QualityGateError, UsageError
 from edgeq.quantize.targets import load_target
 from edgeq.report.format import size as human_bytes
+from edgeq.runtime.delegation import structure_of
 from edgeq.tasks.metrics import metric
 from edgeq.tasks.verdicts import Verdict, judge
 
@@ -47,6 +48,7 @@ class Rung:
     file: str | None = None
     latency_ms: float | None = None
     size_bytes: int | None = None
+    partitions: int | None = None  # XNNPACK's partitions of the built file: one runs whole in XNNPACK
     val: dict | None = None  # the candidate's verdict on val (what chose it)
     test: dict | None = None  # on test (what confirms it), judged once
 
@@ -95,6 +97,11 @@ def optimize(
 ) -> dict:  # fmt: skip
     """Climb the ladder for ``model_path`` on ``data``; return what optimize.json records (the caller writes it)."""
     out = Path(out)
+    if str(model_path).endswith(".tflite"):
+        raise UsageError(
+            f"{model_path}: optimize trains and plans a Keras model (QAT needs one); a float .tflite converts with "
+            f"`edgeq convert {model_path} --int8-only --calib DATA` and plans its ops with `edgeq analyze plan`"
+        )
     if out.exists() and any(p.name != "device" for p in out.iterdir()):  # device/: --on's profiles
         raise UsageError(f"--out {out}: the folder is not empty; give a new folder (optimize writes a whole one)")
     start = time.perf_counter()
@@ -245,13 +252,8 @@ def _try_plan_point(ladder: Ladder, rung: Rung, best, met: bool, record: dict) -
     if why:
         rung.outcome, rung.why = "passed over", why
         return
-    options = {"calib": ladder.data, "calib_samples": ladder.calib_samples, "task": ladder.task}
-    if best.wide_layers or best.way == LITERT_INT8:
-        options.update(mode="int8-only", plan=str(ladder.out / "plan.json"))
-    elif best.float_layers:
-        options.update(mode="int8", plan=str(ladder.out / "plan.json"))
-    else:
-        options.update(mode="int8-only", ptq=best.ranges)
+    options = conversion_of(best, ladder.out / "plan.json")
+    options.update(calib=ladder.data, calib_samples=ladder.calib_samples, task=ladder.task)
     name = "ptq" if rung.number == 1 else "plan"
     _build_and_confirm(ladder, rung, ladder.model, options, name, None, best.worse_by_high)
 
@@ -285,7 +287,9 @@ def _build_and_confirm(
         rung.outcome, rung.why = "refused", f"convert refused it: {exc}"
         return
     rung.file, rung.size_bytes = path.name, built.size_bytes
-    rung.latency_ms = round(float(ladder.timer(path.read_bytes())), 4)
+    model_bytes = path.read_bytes()
+    rung.latency_ms = round(float(ladder.timer(model_bytes)), 4)
+    rung.partitions = structure_of(model_bytes).partitions
     if val is not None:
         rung.val = _judged(path, val, ladder.budget).to_dict()
         val_high = rung.val["interval95"][1]
@@ -344,6 +348,8 @@ def _rung_line(ladder: Ladder, rung: Rung) -> str:
         text += f": {rung.way}"
     if rung.latency_ms is not None:
         text += f", {rung.latency_ms:.3g} ms vs FP32 {ladder.fp32['latency_ms']:.3g}"
+    if rung.partitions is not None:
+        text += f", {rung.partitions} XNNPACK partition(s)"
     if rung.test:
         text += f"; test {Verdict.from_dict(rung.test).line()}"
     return text + (f" ({rung.why})" if rung.why and rung.outcome != "chosen" else "")
