@@ -31,7 +31,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("edgeq.models.names",),  # no TensorFlow: attribute reads of a Keras model
     ("edgeq.models.compat",),
     ("edgeq.shims.tflite", "edgeq.shims.tfmot"),
-    ("edgeq.quantize.configs",),  # TF-MOT configs, below training, which wraps with them
+    # TF-MOT configs, below training, which wraps with them; the Keras 3 QAT engine's layers, below loading,
+    # which registers them
+    ("edgeq.quantize.configs", "edgeq.quantize.keras3_qat"),
     ("edgeq.data",),
     ("edgeq.models",),  # loading, Keras 3 translation
     ("edgeq.models.zoo",),

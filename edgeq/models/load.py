@@ -54,6 +54,8 @@ def load_user_model(path: str | Path):
         if flavour == "keras3":
             import keras as keras3
 
+            import edgeq.quantize.keras3_qat  # noqa: F401  (registers the Keras 3 QAT engine's layers)
+
             model = keras3.saving.load_model(str(path), compile=False)
         else:
             model = load_keras_model(path)
@@ -125,7 +127,11 @@ def recorded_normalization(model_path: str | Path | None):
 
 
 def is_qat_model(model) -> bool:
-    """Whether TF-MOT wrapped the model for quantization-aware training."""
+    """Whether TF-MOT wrapped the model for quantization-aware training, or edgeq's Keras 3 engine built it."""
+    if is_keras3_model(model):
+        from edgeq.quantize.keras3_qat import is_keras3_qat
+
+        return is_keras3_qat(model)
     return any(
         type(layer).__name__ == "QuantizeLayer" or any(c.__name__ == "QuantizeWrapper" for c in type(layer).__mro__)
         for layer in model.layers

@@ -101,6 +101,15 @@ def _model_options(values: tuple[str, ...]) -> dict:
     show_default=True,
     help="After QAT: convert the FP32 model by PTQ and the QAT model, both --int8-only, and score both on val.",
 )
+@click.option(
+    "--qat-engine",
+    type=click.Choice(["tfmot", "keras3"]),
+    default="tfmot",
+    show_default=True,
+    help="tfmot: TF-MOT on tf_keras (a Keras 3 model is translated). keras3: edgeq's fake quantization on the "
+    "Keras 3 model itself, no translation (a single-output classifier, the default schedule; fp32.keras and "
+    "qat.keras stay Keras 3 files).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--augment", help="Image augmentation while training: flip, crop or flip,crop (seeded by --seed).")
 @click.option(

@@ -51,6 +51,8 @@ class TrainConfig:
     distill: bool = False  # QAT learns the FP32 model's outputs (always when the data has no labels)
     # tf.distribute (edgeq.train.distribute); these describe this process, not the run, so
     # --resume takes them from the command line, not from the saved options
+    # "tfmot": TF-MOT on tf_keras (a Keras 3 model translated); "keras3": edgeq.quantize.keras3_qat on Keras 3 itself
+    qat_engine: str = "tfmot"
     strategy: str = "default"
     replicas: int | None = None
     workers: str | None = None

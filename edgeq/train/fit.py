@@ -65,6 +65,10 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False, progre
     scope; in a multi-worker run each worker calls this with the same options, and only
     the chief writes into out_dir.
     """
+    if config.qat_engine == "keras3":
+        from edgeq.train.keras3_engine import train_keras3
+
+        return train_keras3(config, resume=resume, force=force, progress=progress)
     dist = distribute.setup(config.strategy, config.replicas, config.workers, config.worker_index)
     from edgeq.shims.tfmot import global_batch_ranges
 
