@@ -308,7 +308,10 @@ def _kernels() -> list[str]:
         return float(np.median(times)) * 1e3
 
     rows = []
-    for cin, cout, k, stride, hw in ((3, 24, 5, 2, 128), (8, 24, 5, 2, 128), (24, 24, 3, 1, 64), (24, 48, 1, 1, 64)):
+    shapes = ((3, 24, 5, 2, 128), (8, 24, 5, 2, 128), (24, 24, 3, 1, 64), (24, 48, 1, 1, 64),
+              # wide ones: whether int8 gains anywhere on this CPU (issue 49 asked every int8 file to be faster)
+              (64, 64, 3, 1, 32), (128, 128, 1, 1, 32), (256, 256, 1, 1, 16), (512, 512, 1, 1, 8))  # fmt: skip
+    for cin, cout, k, stride, hw in shapes:
         inputs = keras.Input((hw, hw, cin), batch_size=1)
         model = keras.Model(inputs, keras.layers.Conv2D(cout, k, stride, padding="same", activation="relu")(inputs))
         with native_output_silenced():
