@@ -126,9 +126,8 @@ class QuantizedOp(keras.layers.Layer):
         if not self.bn_config:
             return kernel, bias
         scale = self.gamma / ops.sqrt(self.moving_variance + self.epsilon)
-        shape = (*kernel.shape[:-2], kernel.shape[-2], kernel.shape[-1])
-        if self.kind == "DepthwiseConv2D":
-            kernel = kernel * ops.reshape(scale, (1, 1, shape[2], shape[3]))
+        if self.kind == "DepthwiseConv2D":  # (kh, kw, in, multiplier): one scale per in x multiplier channel
+            kernel = kernel * ops.reshape(scale, (1, 1, kernel.shape[2], kernel.shape[3]))
         else:
             kernel = kernel * scale
         return kernel, (bias - self.moving_mean) * scale + self.beta
