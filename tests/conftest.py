@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
 

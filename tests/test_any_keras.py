@@ -3,7 +3,7 @@
 Real TensorFlow, TF-MOT, converter and LiteRT on small models (32x32 inputs).
 """
 
-import edgeq.models.compat  # noqa: F401, I001  (sets TF_USE_LEGACY_KERAS before keras 3 imports TensorFlow)
+import edgeq.models.compat  # noqa: F401, I001  (TensorFlow first, quietly; tf_keras and TF-MOT when a test reaches them)
 
 import json
 
@@ -46,8 +46,12 @@ def keras3_digits_cnn(path):
 def test_keras3_digits_train_qat_int8_only_within_noise_of_fp32(cli, tmp_path):
     model = keras3_digits_cnn(tmp_path / "k3_digits.keras")
     out = tmp_path / "run"
-    trained = cli("train", model, "--data", "digits", "--epochs", "20", "--qat-epochs", "3", "--out", out)
+    # TF-MOT's engine on the tf_keras translation (the default for a Keras 3 file is the Keras 3 engine,
+    # tests/test_keras3_qat.py)
+    trained = cli("train", model, "--data", "digits", "--epochs", "20", "--qat-epochs", "3", "--out", out,
+                  "--qat-engine", "tfmot")  # fmt: skip
     assert trained.exit_code == 0, trained.output
+    assert "QAT engine: tfmot (chosen with --qat-engine tfmot)" in trained.output
     record = json.loads((out / "run.json").read_text())
     assert record["keras"] == {
         "given": "keras3",
@@ -201,9 +205,11 @@ def test_model_qat_cannot_take_fails_before_training(cli, tmp_path, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["keras3", "tfmot"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_keras3_architecture_qat_int8_only_passes_verification(tmp_path, arch):
-    """The issue's table: a Keras 3 keras.applications model -> 1-epoch QAT -> integer-only, verified."""
+def test_keras3_architecture_qat_int8_only_passes_verification(tmp_path, arch, engine):
+    """The issue's table: a Keras 3 keras.applications model -> 1-epoch QAT (either engine) -> integer-only,
+    verified."""
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
     from edgeq.train.config import TrainConfig
@@ -213,7 +219,15 @@ def test_keras3_architecture_qat_int8_only_passes_verification(tmp_path, arch):
     getattr(keras.applications, arch)(weights=None, input_shape=(32, 32, 3), classes=10).save(path)
     data = "synthetic:32x32x3:10:96"
     run = train(
-        TrainConfig(model=str(path), data=data, out_dir=str(tmp_path / "run"), epochs=0, qat_epochs=1, batch_size=16)
+        TrainConfig(
+            model=str(path),
+            data=data,
+            out_dir=str(tmp_path / "run"),
+            epochs=0,
+            qat_epochs=1,
+            batch_size=16,
+            qat_engine=engine,
+        )
     )
     result = convert(run.qat_model, tmp_path / f"{arch}_int8.tflite", ConvertOptions(mode="int8-only", calib=data))
     assert result.verification.integer_only and result.verification.passed, result.verification
@@ -249,7 +263,15 @@ def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, ar
     model.save(path)
     assert keras_flavour_of_file(path) == KERAS3
     run = train(
-        TrainConfig(model=str(path), data=data, out_dir=str(tmp_path / "run"), epochs=0, qat_epochs=1, batch_size=16)
+        TrainConfig(
+            model=str(path),
+            data=data,
+            out_dir=str(tmp_path / "run"),
+            epochs=0,
+            qat_epochs=1,
+            batch_size=16,
+            qat_engine="tfmot",  # the translation to tf_keras is what this tests
+        )
     )
     result = convert(run.qat_model, tmp_path / f"{arch}_int8.tflite", ConvertOptions(mode="int8-only", calib=data))
     assert result.verification.integer_only and result.verification.passed, result.verification
@@ -283,7 +305,15 @@ def test_input_preprocessing_ranges_come_from_the_data_so_qat_does_not_collapse(
 
     data = "synthetic:16x16x3:10:96"
     run = train(
-        TrainConfig(model=str(path), data=data, out_dir=str(tmp_path / "run"), epochs=0, qat_epochs=1, batch_size=16)
+        TrainConfig(
+            model=str(path),
+            data=data,
+            out_dir=str(tmp_path / "run"),
+            epochs=0,
+            qat_epochs=1,
+            batch_size=16,
+            qat_engine="tfmot",
+        )  # TF-MOT's [-6, 6] start is what this guards against
     )
     record = json.loads(run.run.read_text())
     assert record["quantization"]["initial_activation_ranges"] == {"method": "tfmot", "set_per_stage": {"qat-w8a8": 2}}

@@ -224,7 +224,7 @@ import numpy as np
 from edgeq.models.compat import keras, tf
 from edgeq.shims.tfmot import global_batch_ranges
 from edgeq.train import schemes
-from edgeq.train.fit import _compile, quantizer_ranges
+from edgeq.train.stages import _compile, quantizer_ranges
 
 rng = np.random.default_rng(0)
 x = (rng.normal(size=(96, 8, 8, 1)) * rng.uniform(0.5, 3.0, size=(96, 1, 1, 1))).astype("float32")

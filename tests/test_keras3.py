@@ -1,6 +1,6 @@
 """Keras 3 models in, tf_keras models out: same names, same weights, same outputs."""
 
-import edgeq.models.compat  # noqa: F401, I001  (sets TF_USE_LEGACY_KERAS before keras 3 imports TensorFlow)
+import edgeq.models.compat  # noqa: F401, I001  (TensorFlow first, quietly; tf_keras and TF-MOT when a test reaches them)
 
 import json
 import time

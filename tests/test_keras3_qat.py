@@ -7,6 +7,9 @@ path: the files it writes are Keras 3 files, and the int8 file's scales are the 
 import edgeq.models.compat  # noqa: F401, I001  (the suite's process: TF-MOT's engine is here too)
 
 import json
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -16,7 +19,7 @@ from edgeq.convert.converter import float_ops
 from edgeq.models.keras3 import KERAS3, keras_flavour_of_file
 from edgeq.quantize import keras3_qat
 from edgeq.runtime.interpreter import TFLiteModel
-from tests.conftest import assert_one_line_error
+from tests.conftest import ROOT, assert_one_line_error
 
 L = keras.layers
 
@@ -44,25 +47,32 @@ def residual_cnn(path, rescale: bool = True):
     return path
 
 
+def keras3_only(*args, **env):
+    """``edgeq ARGS`` in a process where tf_keras and TF-MOT cannot be imported (tests/keras3_only.py), with
+    TF_USE_LEGACY_KERAS unset (the suite sets it once a test reaches TF-MOT); exit 97 if that process reached
+    either or set the switch."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "KERAS_BACKEND")}
+    command = [sys.executable, str(ROOT / "tests" / "keras3_only.py"), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env={**clean, **env}, check=False)
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """`edgeq train --qat-engine keras3` on the residual CNN: FP32 epochs, then QAT with keep-best."""
-    from click.testing import CliRunner
-
-    from edgeq.cli import cli as group
-
+    """`edgeq train` (the default engine) on the Keras 3 residual CNN, with neither tf_keras nor TF-MOT
+    importable, and a shell whose KERAS_BACKEND names a backend not installed here: FP32, then QAT."""
     folder = tmp_path_factory.mktemp("k3qat")
     model = residual_cnn(folder / "k3.keras")
-    args = ["train", str(model), "--data", "digits", "--qat-engine", "keras3", "--epochs", "25", "--qat-epochs", "3",
-            "--out", str(folder / "run"), "--no-compare-int8"]  # fmt: skip
-    result = CliRunner().invoke(group, args, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
+    result = keras3_only("train", model, "--data", "digits", "--epochs", "25", "--qat-epochs", "3",
+                         "--out", folder / "run", "--no-compare-int8", KERAS_BACKEND="jax")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
     return folder / "run", result
 
 
-def test_keras3_engine_trains_converts_integer_only_and_evals_in_keras3_files(cli, trained_run, tmp_path):
+def test_keras3_engine_trains_converts_and_evals_without_tf_keras_or_tfmot(trained_run, tmp_path):
     run, result = trained_run
-    assert "qat" in result.output and "w8a8" in result.output
+    assert "qat" in result.stdout and "w8a8" in result.stdout
+    assert "QAT engine: keras3" in result.stdout, result.stdout
+    assert "KERAS_BACKEND=jax" in result.stderr and "TensorFlow backend" in result.stderr, result.stderr
     record = json.loads((run / "run.json").read_text())
     assert record["quantization"]["engine"] == "keras3" and record["config"]["qat_engine"] == "keras3"
     # both files stay Keras 3 files that Keras 3 loads (edgeq's layers registered on load)
@@ -76,17 +86,27 @@ def test_keras3_engine_trains_converts_integer_only_and_evals_in_keras3_files(cl
     assert qat_val > 0.85, record["results"]
 
     out = tmp_path / "q.tflite"
-    converted = cli("convert", run / "qat.keras", "--int8-only", "--out", out)
-    assert converted.exit_code == 0, converted.output
-    assert "integer-only" in converted.output and "1 partitions" in converted.output
+    converted = keras3_only("convert", run / "qat.keras", "--int8-only", "--out", out)
+    assert converted.returncode == 0, converted.stdout + converted.stderr
+    assert "integer-only" in converted.stdout and "1 partitions" in converted.stderr + converted.stdout
     assert not float_ops(TFLiteModel(out))
 
-    evaluated = cli("eval", out, "--reference", run / "qat.keras", "--data", "digits", "--json", tmp_path / "e.json")
-    assert evaluated.exit_code == 0, evaluated.output
+    evaluated = keras3_only("eval", out, "--reference", run / "qat.keras", "--data", "digits",
+                            "--json", tmp_path / "e.json")  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
     e = json.loads((tmp_path / "e.json").read_text())
     agreement = e["outputs"][0]["comparison"]["agreement"]
     assert agreement >= 0.97, e["outputs"][0]["comparison"]
     assert fp32_val == fp32_val  # recorded (the FP32 stage ran)
+
+
+def test_the_blocked_process_fails_when_the_legacy_stack_is_reached(tmp_path):
+    """The check above can fail: the same process, asked for TF-MOT's engine, stops at tf_keras's import
+    (named in one line) and reports that the legacy switch was set."""
+    model = residual_cnn(tmp_path / "k3.keras")
+    result = keras3_only("train", model, "--data", "digits", "--qat-engine", "tfmot", "--out", tmp_path / "r")
+    assert result.returncode == 97, result.stdout + result.stderr
+    assert "error: this needs tf_keras" in result.stderr and "TF_USE_LEGACY_KERAS=1" in result.stderr
 
 
 def test_the_int8_files_scales_are_the_trained_ranges(cli, trained_run, tmp_path):
@@ -130,8 +150,11 @@ def test_quantized_model_computes_the_float_model_before_rounding_bites(tmp_path
 
 def test_what_the_keras3_engine_lacks_is_refused_in_one_line(cli, tmp_path):
     model = residual_cnn(tmp_path / "k3.keras")
-    for extra, named in ((("--schedule", "stepped"), "--schedule"), (("--distill",), "--distill"),
-                         (("--weight-bits", "4"), "--weight-bits"), (("--resume",), "--resume")):  # fmt: skip
+    four_bit = tmp_path / "four.json"
+    four_bit.write_text(json.dumps({"layers": {"conv1": {"weight_bits": 4}}}))
+    for extra, named in ((("--granularity", "per-tensor"), "--granularity"), (("--distill",), "--distill"),
+                         (("--weight-bits", "4"), "--weight-bits"), (("--resume",), "--resume"),
+                         (("--layer-config", four_bit), "'conv1' at w4a8")):  # fmt: skip
         result = cli("train", model, "--data", "digits", "--qat-engine", "keras3", "--out", tmp_path / "r", *extra)
         assert_one_line_error(result, named, "--qat-engine tfmot")
         assert not (tmp_path / "r" / "fp32.keras").exists()
@@ -153,3 +176,57 @@ def test_what_the_keras3_engine_lacks_is_refused_in_one_line(cli, tmp_path):
     old.save(tmp_path / "old.h5")
     result = cli("train", tmp_path / "old.h5", "--data", "digits", "--qat-engine", "keras3", "--out", tmp_path / "h")
     assert_one_line_error(result, "not a Keras 3 file", "--qat-engine tfmot")
+
+
+def test_a_stage_or_plan_that_leaves_units_off_computes_them_in_float(tmp_path):
+    """Units a stage has not reached, or a plan keeps float, compute in float: with every unit off the QAT model
+    is the float model (BN folded exactly), and a quantizer that is off still follows its input's range."""
+    model = keras.saving.load_model(residual_cnn(tmp_path / "m.keras"))
+    from sklearn.datasets import load_digits
+
+    x = (load_digits().images[..., None] / 16.0).astype("float32")[:200]
+    qat = keras3_qat.quantize_model(model)
+    keras3_qat.calibrate(qat, [x[:100]])
+    units = keras3_qat.units(qat)
+    assert units[0] == "rescale_quant" and units[-1] == "classes", units
+    keras3_qat.set_quantized(qat, set())
+    np.testing.assert_allclose(qat.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-5)
+    assert set(keras3_qat.float_layers(qat)) >= {"conv1", "dw", "join_quant", "rescale_quant"}
+    join = keras3_qat.quantizers(qat)["join_quant"]
+    before = float(join.range_max.numpy())
+    qat(x[100:] * 3.0, training=True)  # off, it still observes
+    assert float(join.range_max.numpy()) > before
+    # the input half on: the first units quantize, the rest do not
+    half = set(units[: len(units) // 2])
+    keras3_qat.set_quantized(qat, half)
+    layers = {layer.name: layer for layer in qat.layers}
+    assert layers["conv1"].enabled and layers["conv1"].output_quantizer.enabled
+    assert not layers["classes"].enabled and not layers["classes"].output_quantizer.enabled
+    assert not np.allclose(qat.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-5)
+
+
+def test_stepped_schedule_and_layer_plan_on_the_keras3_engine(tmp_path):
+    """--schedule stepped (the input half first, then all) and a --layer-config that keeps the classifier float,
+    on the default engine for a Keras 3 file, with neither tf_keras nor TF-MOT importable."""
+    model = residual_cnn(tmp_path / "k3.keras")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": {"classes": {"keep_float": True}}}))
+    run = tmp_path / "run"
+    result = keras3_only("train", model, "--data", "digits", "--epochs", "12", "--qat-epochs", "2", "--schedule",
+                         "stepped", "--layer-config", plan, "--out", run, "--no-compare-int8")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "QAT engine: keras3" in result.stdout and "left float in QAT: classes" in result.stdout, result.stdout
+    record = json.loads((run / "run.json").read_text())
+    assert [(s["name"], s["layer_fraction"]) for s in record["schedule"]] == [
+        ("fp32", 1.0), ("qat-input-half", 0.5), ("qat-w8a8", 1.0)]  # fmt: skip
+    assert [r["name"] for r in record["results"]] == ["fp32", "qat-input-half", "qat-w8a8"]
+    assert record["quantization"]["float_layers"] == ["classes"]
+    assert record["results"][-1]["val_value"] > 0.8, record["results"]
+    qat = keras.saving.load_model(run / "qat.keras")
+    assert keras3_qat.float_layers(qat) == ["classes"]  # saved with the last stage's flags: all on but the plan's
+
+    # the converter quantizes a layer QAT left float from calibration data, as it does TF-MOT's unwrapped ones
+    out = tmp_path / "q.tflite"
+    converted = keras3_only("convert", run / "qat.keras", "--int8-only", "--out", out)
+    assert converted.returncode == 0, converted.stdout + converted.stderr
+    assert not float_ops(TFLiteModel(out))

@@ -56,7 +56,8 @@ def compare_run(out_dir: str | Path) -> dict | None:
 
     out_dir = Path(out_dir)
     run = json.loads((out_dir / "run.json").read_text(encoding="utf-8"))
-    fp32, qat = out_dir / "fp32.keras", out_dir / "qat.h5"
+    fp32 = out_dir / "fp32.keras"
+    qat = out_dir / ("qat.keras" if (run.get("quantization") or {}).get("engine") == "keras3" else "qat.h5")
     if not (fp32.is_file() and qat.is_file()) or not run.get("outputs"):
         return None
     first = run["outputs"][0]

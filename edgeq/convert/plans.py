@@ -18,8 +18,12 @@ def _sixteen_bit_qat(keras_model, source: ModelSpec, spec: ModeSpec, notes: list
     DEQUANTIZE"), so the float weights QAT fine-tuned (qat_float.keras, beside qat.h5)
     are converted with 16x8 post-training quantization instead.
     """
+    from edgeq.models.keras3 import is_keras3_model
     from edgeq.models.load import QAT_FLOAT_NAME, load_user_model
-    from edgeq.train.schemes import activation_bits_of
+
+    if is_keras3_model(keras_model):  # the Keras 3 QAT engine trains 8-bit activations only
+        return keras_model, True
+    from edgeq.train.schemes import activation_bits_of  # TF-MOT's wrappers: a tf_keras QAT model
 
     if 16 not in activation_bits_of(keras_model):
         return keras_model, True

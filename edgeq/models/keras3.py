@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from edgeq.errors import ModelLoadError
-from edgeq.models.compat import keras as tf_keras
 
 __all__ = [
     "KERAS3",
@@ -134,7 +133,5 @@ def _keras3():
 
 def is_keras3_model(obj: Any) -> bool:
     """True for a Keras 3 model object (``keras.Model``), False for tf_keras and the rest."""
-    if isinstance(obj, tf_keras.Model):
-        return False
-    keras = _keras3()
+    keras = _keras3()  # a tf_keras model is no keras.Model: tf_keras itself need not be imported to tell
     return keras is not None and isinstance(obj, keras.Model)

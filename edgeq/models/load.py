@@ -10,17 +10,18 @@ graph transforms, analysis) gets the translation, ``as_tf_keras``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import zipfile
 from pathlib import Path
 
 from edgeq.errors import ModelLoadError
-from edgeq.models.compat import keras
+from edgeq.models import compat
 from edgeq.models.keras3 import is_keras3_model, keras_flavour_of_file
 from edgeq.models.names import input_names, output_names, producer_of
 from edgeq.models.spec import KERAS3, TF_KERAS, ModelSpec, TensorSpec
-from edgeq.models.translate import to_tf_keras
-from edgeq.quantize.configs import quantize_scope
+
+log = logging.getLogger(__name__)
 
 # The files of a training run (edgeq train --out DIR).
 FP32_NAME = "fp32.keras"
@@ -36,8 +37,10 @@ def is_model_path(spec: str) -> bool:
 
 def load_keras_model(path: str | os.PathLike, compile: bool = False):
     """Load a Keras 2 model (.keras, .h5 or SavedModel dir), QAT wrappers included."""
+    from edgeq.quantize.configs import quantize_scope  # TF-MOT's configs: only the tf_keras path imports them
+
     with quantize_scope():
-        return keras.models.load_model(str(path), compile=compile)
+        return compat.keras.models.load_model(str(path), compile=compile)
 
 
 def load_user_model(path: str | Path):
@@ -54,6 +57,7 @@ def load_user_model(path: str | Path):
         if flavour == "keras3":
             import keras as keras3
 
+            _check_backend(keras3, path)
             import edgeq.quantize.keras3_qat  # noqa: F401  (registers the Keras 3 QAT engine's layers)
 
             model = keras3.saving.load_model(str(path), compile=False)
@@ -66,14 +70,36 @@ def load_user_model(path: str | Path):
             f"{path}: written by {writer}, but it does not load ({first}); a custom layer must be importable "
             "and registered (keras.saving.register_keras_serializable)"
         ) from exc
-    if not (isinstance(model, keras.Model) or is_keras3_model(model)):
+    if not (is_keras3_model(model) or isinstance(model, compat.keras.Model)):
         raise ModelLoadError(f"{path}: loaded, but it is not a Keras model (SavedModel without Keras metadata?)")
     return model
 
 
+def _check_backend(keras3, path: Path) -> None:
+    """edgeq trains and converts Keras 3 models on the TensorFlow backend (``models.compat`` sets it)."""
+    backend = keras3.backend.backend()
+    if backend != "tensorflow":
+        raise ModelLoadError(
+            f"{path}: Keras was imported on the {backend} backend before edgeq; edgeq trains and converts on the "
+            "TensorFlow backend: set KERAS_BACKEND=tensorflow before importing keras (a .keras file saved on any "
+            "backend loads there)"
+        )
+    given = compat.KERAS_BACKEND_GIVEN
+    if given not in (None, "", "tensorflow") and not _NOTED_BACKEND:
+        _NOTED_BACKEND.append(given)
+        log.warning("KERAS_BACKEND=%s: edgeq runs Keras 3 on the TensorFlow backend, which loads %s", given, path.name)
+
+
+_NOTED_BACKEND: list[str] = []
+
+
 def as_tf_keras(model):
     """The model as tf_keras: itself, or its translation from Keras 3 (same names and weights)."""
-    return to_tf_keras(model) if is_keras3_model(model) else model
+    if not is_keras3_model(model):
+        return model
+    from edgeq.models.translate import to_tf_keras  # tf_keras: only the TF-MOT path reaches it
+
+    return to_tf_keras(model)
 
 
 def _leaf_layers(model):
@@ -319,7 +345,7 @@ def _keras_module_of(model):
         import keras as keras3
 
         return keras3
-    return keras
+    return compat.keras
 
 
 def concatenated_outputs(model, x, ratio: float = 10.0) -> list[str]:

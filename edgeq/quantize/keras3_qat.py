@@ -47,12 +47,15 @@ _FUSED_ACTIVATIONS = ("linear", "relu", "relu6")
 
 @keras.saving.register_keras_serializable(package=PACKAGE)
 class ActivationQuantizer(keras.layers.Layer):
-    """Asymmetric per-tensor fake quantization; the range an EMA of batch min/max while training."""
+    """Asymmetric per-tensor fake quantization; the range an EMA of batch min/max while training.
+    Not ``enabled`` (a stage that leaves this part float, a float layer), it passes its input through and
+    keeps following the range, so a later stage starts from the data's."""
 
-    def __init__(self, num_bits: int = 8, ema: float = EMA, **kwargs):
+    def __init__(self, num_bits: int = 8, ema: float = EMA, enabled: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.num_bits = int(num_bits)
         self.ema = float(ema)
+        self.enabled = bool(enabled)
 
     def build(self, input_shape):
         self.range_min = self.add_weight(name="range_min", shape=(), initializer="zeros", trainable=False)
@@ -68,6 +71,8 @@ class ActivationQuantizer(keras.layers.Layer):
             self.range_min.assign(keep * self.range_min + (1.0 - keep) * low)
             self.range_max.assign(keep * self.range_max + (1.0 - keep) * high)
             self.seen.assign(ops.ones_like(self.seen))
+        if not self.enabled:
+            return x
         high = ops.maximum(self.range_max, self.range_min + 1e-6)
         return keras.quantizers.fake_quant_with_min_max_vars(
             x, self.range_min, high, num_bits=self.num_bits, narrow_range=False
@@ -78,17 +83,20 @@ class ActivationQuantizer(keras.layers.Layer):
         return keras.KerasTensor(x.shape, dtype=x.dtype)
 
     def get_config(self):
-        return {**super().get_config(), "num_bits": self.num_bits, "ema": self.ema}
+        return {**super().get_config(), "num_bits": self.num_bits, "ema": self.ema, "enabled": self.enabled}
 
 
 @keras.saving.register_keras_serializable(package=PACKAGE)
 class QuantizedOp(keras.layers.Layer):
     """A Conv2D, DepthwiseConv2D or Dense with its BatchNormalization folded (frozen statistics), its
-    ReLU fused, its weights fake-quantized symmetric per output channel and its output per tensor."""
+    ReLU fused, its weights fake-quantized symmetric per output channel and its output per tensor.
+    ``enabled`` False keeps its weights float (a float layer of a layer-wise plan, or a stage that has not
+    reached it); its output quantizer has its own flag, ``output_enabled``."""
 
     def __init__(self, op: dict, batchnorm: dict | None = None, activation: str = "linear",
-                 num_bits: int = 8, **kwargs):  # fmt: skip
+                 num_bits: int = 8, enabled: bool = True, output_enabled: bool = True, **kwargs):  # fmt: skip
         super().__init__(**kwargs)
+        self.enabled = bool(enabled)
         self.op_config = op
         self.bn_config = batchnorm
         self.activation = activation
@@ -96,7 +104,7 @@ class QuantizedOp(keras.layers.Layer):
         self.inner = keras.layers.deserialize(op)
         self.kind = type(self.inner).__name__
         self.epsilon = float(batchnorm["config"]["epsilon"]) if batchnorm else 0.0
-        self.output_quantizer = ActivationQuantizer(num_bits=num_bits, name="output_quantizer")
+        self.output_quantizer = ActivationQuantizer(num_bits=num_bits, enabled=output_enabled, name="output_quantizer")
 
     def build(self, input_shape):
         if not self.inner.built:
@@ -134,21 +142,8 @@ class QuantizedOp(keras.layers.Layer):
 
     def call(self, x, training=None):
         kernel, bias = self.folded()
-        if self.kind == "DepthwiseConv2D":
-            shape = tuple(kernel.shape)
-            flat = ops.reshape(kernel, (*shape[:2], 1, shape[2] * shape[3]))
-            limit = ops.max(ops.abs(flat), axis=(0, 1, 2))
-        elif self.kind == "Dense":  # per tensor: the converter transposes a MatMul's kernel, not its channel axis
-            flat = kernel
-            limit = ops.max(ops.abs(flat))
-        else:
-            flat = kernel
-            limit = ops.max(ops.abs(flat), axis=tuple(range(len(kernel.shape) - 1)))
-        limit = ops.stop_gradient(ops.maximum(limit, 1e-8))  # a range, as TF-MOT's last-value quantizer: no gradient
-        flat = keras.quantizers.fake_quant_with_min_max_vars(
-            flat, -limit, limit, num_bits=self.num_bits, narrow_range=True, axis=None if self.kind == "Dense" else -1
-        )
-        kernel = ops.reshape(flat, kernel.shape)
+        if self.enabled:
+            kernel = self._fake_quantized(kernel)
         inner = self.inner
         if self.kind == "Conv2D":
             y = ops.conv(x, kernel, inner.strides, inner.padding, inner.data_format, inner.dilation_rate)
@@ -166,12 +161,31 @@ class QuantizedOp(keras.layers.Layer):
         # runs it (its own output quantizer follows, where TFLite does not fix that scale)
         return y if self.activation != "linear" else self.inner.activation(y)
 
+    def _fake_quantized(self, kernel):
+        """Symmetric, narrow range, per output channel (Dense: per tensor)."""
+        if self.kind == "DepthwiseConv2D":
+            shape = tuple(kernel.shape)
+            flat = ops.reshape(kernel, (*shape[:2], 1, shape[2] * shape[3]))
+            limit = ops.max(ops.abs(flat), axis=(0, 1, 2))
+        elif self.kind == "Dense":  # per tensor: the converter transposes a MatMul's kernel, not its channel axis
+            flat = kernel
+            limit = ops.max(ops.abs(flat))
+        else:
+            flat = kernel
+            limit = ops.max(ops.abs(flat), axis=tuple(range(len(kernel.shape) - 1)))
+        limit = ops.stop_gradient(ops.maximum(limit, 1e-8))  # a range, as TF-MOT's last-value quantizer: no gradient
+        flat = keras.quantizers.fake_quant_with_min_max_vars(
+            flat, -limit, limit, num_bits=self.num_bits, narrow_range=True, axis=None if self.kind == "Dense" else -1
+        )
+        return ops.reshape(flat, kernel.shape)
+
     def compute_output_shape(self, input_shape):
         return self.inner.compute_output_shape(input_shape)
 
     def get_config(self):
         return {**super().get_config(), "op": self.op_config, "batchnorm": self.bn_config,
-                "activation": self.activation, "num_bits": self.num_bits}  # fmt: skip
+                "activation": self.activation, "num_bits": self.num_bits, "enabled": self.enabled,
+                "output_enabled": self.output_quantizer.enabled}  # fmt: skip
 
 
 @keras.saving.register_keras_serializable(package=PACKAGE)
@@ -219,12 +233,8 @@ class _Graph:
     def __init__(self, model):
         self.consumers: dict[str, list] = {op.name: [] for op in model.operations}
         self.outputs = {t._keras_history[0].name for t in model.outputs}
+        self.shared = [layer for layer in model.operations if len(layer._inbound_nodes) > 1]
         for layer in model.operations:
-            if len(layer._inbound_nodes) > 1:
-                raise UsageError(
-                    f"layer {layer.name!r} is called {len(layer._inbound_nodes)} times: the Keras 3 QAT engine "
-                    "quantizes layers used once; use --qat-engine tfmot"
-                )
             for node in layer._inbound_nodes:
                 for parent in node.parent_nodes:
                     self.consumers[parent.operation.name].append(layer)
@@ -261,38 +271,45 @@ def _plan(model) -> tuple[dict, set]:
     return fused, absorbed
 
 
-def _check_supported(model, fused, absorbed) -> None:
+def _unsupported(model, absorbed) -> str | None:
+    shared = _Graph(model).shared
+    if shared:
+        times = len(shared[0]._inbound_nodes)
+        return f"layer {shared[0].name!r} is called {times} times (it quantizes layers used once)"
     for layer in model.layers:
         kind = type(layer).__name__
         known = kind in _FOLDABLE or kind in _QUANTIZED_OUTPUT or kind in _SAME_SCALE
         if layer.name in absorbed or known or (kind == "BatchNormalization"):
             continue
-        raise UsageError(
-            f"layer {layer.name!r} ({kind}): the Keras 3 QAT engine has no quantizer for it yet; "
-            "use --qat-engine tfmot (TF-MOT on a tf_keras translation)"
-        )
+        return f"layer {layer.name!r} ({kind}) has no quantizer on it"
+    return None
 
 
 def _functional(model):
+    """A Sequential model as a functional one over the same layers and nodes (calling its layers again
+    would give each a second inbound node)."""
     if isinstance(model, keras.Sequential):
-        inputs = keras.Input(shape=model.inputs[0].shape[1:], dtype=model.inputs[0].dtype, name="input")
-        x = inputs
-        for layer in model.layers:
-            x = layer(x)
-        return keras.Model(inputs, x, name=model.name)
+        return keras.Model(model.inputs, model.outputs, name=model.name)
     return model
 
 
-def check_quantizable(model, num_bits: int = 8) -> None:
-    """Refuse, in one line, a model this engine cannot quantize: before any training starts."""
-    if num_bits != 8:
-        raise UsageError(
-            f"--weight-bits/--activation-bits {num_bits}: the Keras 3 QAT engine trains 8 bits only yet; use "
-            "--qat-engine tfmot"
-        )
+def unquantizable(model) -> str | None:
+    """Why this engine cannot quantize the model (the first layer it has no quantizer for), or None."""
     model = _functional(model)
-    fused, absorbed = _plan(model)
-    _check_supported(model, fused, absorbed)
+    _, absorbed = _plan(model)
+    return _unsupported(model, absorbed)
+
+
+def fused_ops(model) -> set[str]:
+    """The Conv2D, DepthwiseConv2D and Dense layers that become one ``QuantizedOp`` each."""
+    return set(_plan(_functional(model))[0])
+
+
+def check_quantizable(model) -> None:
+    """Refuse, in one line, a model this engine cannot quantize: before any training starts."""
+    why = unquantizable(model)
+    if why:
+        raise UsageError(f"{why}: the Keras 3 QAT engine does not do this yet; use --qat-engine tfmot")
 
 
 def is_keras3_qat(model) -> bool:
@@ -353,7 +370,7 @@ def quantize_model(model, num_bits: int = 8):
     Layer names stay the float model's; each quantizer is named after the layer it follows."""
     from keras import tree
 
-    check_quantizable(model, num_bits)
+    check_quantizable(model)
     model = _functional(model)
     fused, absorbed = _plan(model)
     inputs, mapped = _quantized_inputs(model, num_bits)
@@ -415,6 +432,30 @@ def quantizers(model) -> dict[str, ActivationQuantizer]:
         elif isinstance(layer, QuantizedOp):
             found[layer.name] = layer.output_quantizer
     return found
+
+
+def units(model) -> list[str]:
+    """The quantizable units of a QAT model from the input on: each fused op (its weights and output) and
+    each activation quantizer, by the name ``quantizers`` gives them."""
+    return list(quantizers(model))
+
+
+def set_quantized(model, quantized: set[str] | None = None) -> None:
+    """Which units fake-quantize: those in ``quantized`` (None: all). A unit that is off computes in float (a
+    fused op: float weights and output, as TF-MOT leaves a layer it does not wrap) and keeps observing ranges.
+    The model's traced steps are dropped, as compile drops them: a traced step keeps the flags it saw."""
+    model.train_function = model.test_function = model.predict_function = None
+    for layer in _all_layers(model):
+        if isinstance(layer, QuantizedOp):
+            layer.enabled = layer.output_quantizer.enabled = quantized is None or layer.name in quantized
+        elif isinstance(layer, ActivationQuantizer):
+            layer.enabled = quantized is None or layer.name in quantized
+
+
+def float_layers(model) -> list[str]:
+    """The fused ops and the activation quantizers that are off (compute in float)."""
+    units = (QuantizedOp, ActivationQuantizer)
+    return [layer.name for layer in _all_layers(model) if isinstance(layer, units) and not layer.enabled]
 
 
 def calibrate(model, batches) -> None:

@@ -103,12 +103,12 @@ def _model_options(values: tuple[str, ...]) -> dict:
 )
 @click.option(
     "--qat-engine",
-    type=click.Choice(["tfmot", "keras3"]),
-    default="tfmot",
+    type=click.Choice(["auto", "keras3", "tfmot"]),
+    default="auto",
     show_default=True,
-    help="tfmot: TF-MOT on tf_keras (a Keras 3 model is translated). keras3: edgeq's fake quantization on the "
-    "Keras 3 model itself, no translation (a single-output classifier, the default schedule; fp32.keras and "
-    "qat.keras stay Keras 3 files).",
+    help="keras3: edgeq's fake quantization on the Keras 3 model itself, no translation, no TF-MOT "
+    "(fp32.keras and qat.keras stay Keras 3 files). tfmot: TF-MOT on tf_keras (a Keras 3 model is "
+    "translated). auto: keras3 for a Keras 3 file when it has every option asked for, else tfmot (said why).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--augment", help="Image augmentation while training: flip, crop or flip,crop (seeded by --seed).")
@@ -130,7 +130,7 @@ def _model_options(values: tuple[str, ...]) -> dict:
 @click.option("--force", is_flag=True, help="Overwrite a run already in --out.")
 def train(model, out_dir, resume, force, model_options, activation_bits, compare_int8, **options):
     """Train MODEL (a reference name such as digits-cnn, or a .keras/.h5/SavedModel path):
-    FP32 first, then quantization-aware fine-tuning with TF-MOT.
+    FP32 first, then quantization-aware fine-tuning (Keras 3 itself, or TF-MOT: --qat-engine).
     A checkpoint is written every epoch; Ctrl-C loses at most one epoch (--resume).
     --batch-size is the global batch: under --strategy it is split across replicas."""
     import os
@@ -174,6 +174,8 @@ def train(model, out_dir, resume, force, model_options, activation_bits, compare
     ]
     short = "acc" if metric == "accuracy" else metric
     click.echo(table(["stage", "kind", "epochs", "precision", f"val {short}", f"test {short}", "seconds"], rows))
+    if result.engine_note:
+        click.echo(f"QAT engine: {result.qat_engine} ({result.engine_note})")
     if result.distribution and result.distribution.get("cross_replica_ranges"):
         click.echo(f"ranges under {result.distribution['strategy']}: {result.distribution['cross_replica_ranges']}")
     if result.float_layers:

@@ -14,7 +14,7 @@ from edgeq.models.compat import tf
 from edgeq.models.load import as_tf_keras, describe, is_model_path, load_user_model, task_targets, with_input_shape
 from edgeq.models.spec import KERAS3
 from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
-from edgeq.train import distill, schemes
+from edgeq.train import distill
 from edgeq.train.objectives import check_targets, objectives, with_detection_targets
 from edgeq.train.schedule import make_schedule
 
@@ -51,8 +51,9 @@ class TrainConfig:
     distill: bool = False  # QAT learns the FP32 model's outputs (always when the data has no labels)
     # tf.distribute (edgeq.train.distribute); these describe this process, not the run, so
     # --resume takes them from the command line, not from the saved options
-    # "tfmot": TF-MOT on tf_keras (a Keras 3 model translated); "keras3": edgeq.quantize.keras3_qat on Keras 3 itself
-    qat_engine: str = "tfmot"
+    # "tfmot": TF-MOT on tf_keras (a Keras 3 model translated); "keras3": edgeq.quantize.keras3_qat on Keras 3 itself;
+    # "auto": keras3 for a Keras 3 file when it has every option asked for (edgeq.train.fit._engine)
+    qat_engine: str = "auto"
     strategy: str = "default"
     replicas: int | None = None
     workers: str | None = None
@@ -87,6 +88,8 @@ class TrainResult:
     float_layers: tuple[str, ...] = ()  # layers the QAT model leaves in float
     ranges: dict | None = None  # quantizer_ranges() of the QAT model
     distribution: dict | None = None  # run.json's "distribution"
+    qat_engine: str = "tfmot"  # the engine that trained it
+    engine_note: str | None = None  # why that engine
 
 
 def stage_start_name(stage_index: int) -> str:
@@ -257,6 +260,8 @@ def _checked_schedule(config: TrainConfig, model, dataset, hp: dict, augment, dr
     stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], config.weight_bits, config.activation_bits)
     if not stages:
         raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
+    from edgeq.train import schemes  # TF-MOT's configs: the Keras 3 engine never reaches this
+
     layer_plan = _layer_plan(config, [layer.name for layer in model.layers])
     settings = schemes.QuantSettings(
         config.weight_bits, config.activation_bits, config.granularity, config.activations, layer_plan

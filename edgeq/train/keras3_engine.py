@@ -11,9 +11,11 @@ What this engine does not do yet is refused in one line that names it and the TF
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,8 +30,6 @@ QAT3_NAME = "qat.keras"
 CALIBRATION_BATCHES = 4  # batches that start each activation range at the data's before QAT
 
 _NOT_YET = (  # option, its default, what the engine lacks
-    ("schedule", "default", "--schedule (stepped quantization)"),
-    ("layer_config", None, "--layer-config (layer-wise plans)"),
     ("weight_bits", 8, "--weight-bits other than 8"),
     ("activation_bits", 8, "--activation-bits 16"),
     ("granularity", "per-channel", "--granularity per-tensor"),
@@ -44,24 +44,38 @@ _NOT_YET = (  # option, its default, what the engine lacks
 )
 
 
+class NotOnKeras3(UsageError):
+    """What the Keras 3 engine does not do (yet): ``--qat-engine auto`` trains with TF-MOT instead, an
+    explicit ``--qat-engine keras3`` is refused with it in one line."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}: the Keras 3 QAT engine does not do this yet; use --qat-engine tfmot")
+        self.reason = reason
+
+
 def _refuse_unsupported(config, resume: bool) -> None:
     if resume:
-        raise UsageError("--resume: the Keras 3 QAT engine does not resume runs yet; use --qat-engine tfmot")
+        raise NotOnKeras3("--resume (it does not resume runs yet)")
     for key, default, what in _NOT_YET:
         if getattr(config, key) != default:
-            raise UsageError(f"{what}: the Keras 3 QAT engine does not have it yet; use --qat-engine tfmot")
+            raise NotOnKeras3(what)
 
 
-def _classifier(model, dataset, path: str) -> bool:
-    """Whether the single output is softmax probabilities (else logits); other tasks are refused."""
-    if len(model.outputs) != 1 or dataset.num_classes is None or dataset.num_classes < 2:
-        raise UsageError(
-            f"{path}: the Keras 3 QAT engine trains single-output classifiers on labelled data yet; "
-            "use --qat-engine tfmot"
-        )
+def _classifier(model, dataset, config):
+    """The single output's spec, a classification; and whether it is softmax probabilities (else logits)."""
+    from edgeq.models.load import describe, task_targets
+
+    if len(model.outputs) != 1:
+        raise NotOnKeras3(f"{config.model} has {len(model.outputs)} outputs (it trains single-output classifiers)")
+    if not dataset.labelled or dataset.num_classes is None or dataset.num_classes < 2:
+        raise NotOnKeras3(f"{dataset.source} has no class labels (label-free distillation is not on it)")
+    described = describe(model, config.model)
+    spec = described.tasks(config.task, task_targets(dataset, described.output_names))[0]
+    if spec.kind != "classification":
+        raise NotOnKeras3(f"output {spec.name!r} is {spec.kind} (it trains classifiers)")
     last = model.layers[-1]
     activation = getattr(last, "activation", None)
-    return getattr(activation, "__name__", "") == "softmax" or type(last).__name__ == "Softmax"
+    return spec, getattr(activation, "__name__", "") == "softmax" or type(last).__name__ == "Softmax"
 
 
 def _compile(model, learning_rate: float, probabilities: bool, clip_norm, clip_value) -> None:
@@ -120,53 +134,132 @@ def _fit(model, dataset, hp: dict, epochs: int, keep: _KeepBest | None):
     return {k: [float(v) for v in values] for k, values in history.history.items()}
 
 
-def _checked(config, resume: bool, force: bool):
-    """The Keras 3 model and its labelled data, and whether it outputs probabilities; refusals first."""
+def prepare(config, resume: bool = False, force: bool = False):
+    """The Keras 3 model, its labelled data and whether it outputs probabilities, checked before any epoch.
+
+    What the engine lacks raises ``NotOnKeras3`` (options first, then the file, the model, the data);
+    what neither engine could train raises ``UsageError``.
+    """
     from edgeq.data.sources import load_dataset
     from edgeq.models.keras3 import keras_flavour_of_file
+    from edgeq.models.load import is_model_path
 
     _refuse_unsupported(config, resume)
-    out_dir = Path(config.out_dir)
-    if (out_dir / "run.json").is_file() and not force:
-        raise UsageError(f"{out_dir} already holds a finished run: choose another --out, or overwrite with --force")
-    if not Path(config.model).exists():
-        raise UsageError(f"{config.model}: the Keras 3 QAT engine trains a Keras 3 model file (.keras)")
+    if not is_model_path(config.model) or not Path(config.model).exists():
+        raise NotOnKeras3(f"{config.model} is a reference model, built in tf_keras (it trains Keras 3 files)")
     if keras_flavour_of_file(config.model) != KERAS3:
-        raise UsageError(
-            f"{config.model}: not a Keras 3 file; the Keras 3 QAT engine trains Keras 3 models (--qat-engine tfmot "
-            "trains tf_keras ones)"
-        )
+        raise NotOnKeras3(f"{config.model} is not a Keras 3 file (it trains Keras 3 models; TF-MOT trains tf_keras)")
+    _check_backend()
     model = load_user_model(config.model)
     if keras3_qat.is_keras3_qat(model):
         raise UsageError(f"{config.model} is already quantization-aware; give edgeq train the FP32 model")
+    if len(model.inputs) != 1:
+        raise NotOnKeras3(f"{config.model} has {len(model.inputs)} inputs (it trains single-input models)")
+    why = keras3_qat.unquantizable(model)  # before any epoch: no training is lost
+    if why:
+        raise NotOnKeras3(why)
     if not config.data:
-        raise UsageError(f"{config.model}: give --data (digits, synthetic:HxWxC:K, npz:PATH, images:DIR)")
+        raise NotOnKeras3(f"{config.model} without --data (it needs the data given)")
     shape = tuple(model.inputs[0].shape[1:])
-    dataset = load_dataset(config.data, input_shape=shape, labels_required=True)
+    dataset = load_dataset(config.data, input_shape=shape, labels_required=False)
+    output, probabilities = _classifier(model, dataset, config)
     dataset.check_fits(shape, where=f"model {config.model}")
     dataset.check_finite()
-    probabilities = _classifier(model, dataset, config.model)
-    keras3_qat.check_quantizable(model)  # before any epoch: a layer it cannot quantize loses no training
-    return model, dataset, probabilities
+    stages, float_layers = _stages_and_plan(config, model)
+    out_dir = Path(config.out_dir)
+    if (out_dir / "run.json").is_file() and not force:
+        raise UsageError(f"{out_dir} already holds a finished run: choose another --out, or overwrite with --force")
+    return Prepared(model, dataset, output, probabilities, stages, float_layers)
 
 
-def _qat(model, dataset, hp: dict, probabilities: bool, config):
-    """The QAT model: ranges started on training batches, fitted, the best epoch on val kept."""
+class Prepared(NamedTuple):
+    model: object
+    dataset: object
+    output: object  # its OutputSpec (a classification)
+    probabilities: bool  # the output is softmax probabilities (else logits)
+    stages: list  # edgeq.train.schedule.Stage, FP32 first
+    float_layers: frozenset  # Conv2D/DepthwiseConv2D/Dense layers a layer-wise plan keeps float (no fake quantization)
+
+
+def _stages_and_plan(config, model) -> tuple[list, frozenset]:
+    """The schedule's stages and the layers --layer-config keeps float; what the engine lacks is NotOnKeras3."""
+    from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
+    from edgeq.train.config import _hyperparameters
+    from edgeq.train.schedule import make_schedule
+
+    hp = _hyperparameters(config, None, None)
+    stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], 8, 8)
+    if not stages:
+        raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
+    for before, stage in zip(stages, stages[1:]):
+        if before.kind == "qat" and stage.kind == "fp32":
+            raise NotOnKeras3(f"stage {stage.name!r}: FP32 after QAT (it trains FP32 stages first)")
+    for stage in stages:
+        if stage.kind == "qat" and (stage.weight_bits, stage.activation_bits) != (8, 8):
+            raise NotOnKeras3(
+                f"stage {stage.name!r} at w{stage.weight_bits}a{stage.activation_bits} (it trains 8 bits)"
+            )
+    if not config.layer_config:
+        return stages, frozenset()
+    names = [layer.name for layer in model.layers]
+    resolved = LayerConfig.load(config.layer_config).resolve(names, LayerPrecision(8, 8))
+    fused = keras3_qat.fused_ops(model)
+    float_layers = set()
+    for name, precision in resolved.items():
+        if precision == LayerPrecision(8, 8):
+            continue
+        if not precision.keep_float:
+            raise NotOnKeras3(f"{config.layer_config}: layer {name!r} at w{precision.weight_bits}a"
+                              f"{precision.activation_bits} (it keeps a layer float or at 8 bits)")  # fmt: skip
+        if name not in fused:
+            raise NotOnKeras3(f"{config.layer_config}: keep_float on {name!r} ({type(model.get_layer(name)).__name__}; "
+                              "it keeps Conv2D, DepthwiseConv2D and Dense layers float)")  # fmt: skip
+        float_layers.add(name)
+    return stages, frozenset(float_layers)
+
+
+def _check_backend() -> None:
+    """edgeq trains and converts on Keras's TensorFlow backend (the converter reads TF graphs)."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise UsageError(
+            f"Keras runs on the {backend} backend here (KERAS_BACKEND={backend}); edgeq trains and converts on the "
+            "TensorFlow backend: run it with KERAS_BACKEND=tensorflow (a .keras file saved on any backend loads there)"
+        )
+
+
+def _qat_model(model, dataset, hp: dict):
+    """The QAT model, every range started on training batches (a unit a stage leaves float observes too)."""
     qat = keras3_qat.quantize_model(model)
     x_train, _ = dataset.split("train")
     size = hp["batch_size"]
     first = min(len(x_train), size * CALIBRATION_BATCHES)
     keras3_qat.calibrate(qat, [x_train[k : k + size] for k in range(0, first, size)])
-    _compile(qat, hp["qat_learning_rate"], probabilities, config.clip_norm, config.clip_value)
-    keep = _KeepBest(qat, dataset)
-    fitted = _fit(qat, dataset, hp, hp["qat_epochs"], keep)
+    return qat
+
+
+def _quantized_units(qat, stage) -> set[str]:
+    """A stage's units: the first share of them from the input (``layer_fraction``, as TF-MOT's stepped)."""
+    units = keras3_qat.units(qat)
+    return set(units[: max(1, math.ceil(stage.layer_fraction * len(units)))])
+
+
+def _qat_stage(qat, stage, prepared: Prepared, hp: dict, config):
+    """One QAT stage: its units on (not the plan's float layers), fitted, its best epoch kept."""
+    keras3_qat.set_quantized(qat, _quantized_units(qat, stage) - prepared.float_layers)
+    _compile(qat, hp["qat_learning_rate"], prepared.probabilities, config.clip_norm, config.clip_value)
+    keep = _KeepBest(qat, prepared.dataset)
+    fitted = _fit(qat, prepared.dataset, hp, stage.epochs, keep)
     keep.restore(qat)
-    return qat, fitted, keep
+    return fitted, keep
 
 
-def _record(config, hp: dict, dataset, stages, ranges: dict, paths: dict, seconds: float) -> dict:
+def _record(config, hp: dict, prepared: Prepared, results, qat, paths: dict, seconds: float) -> dict:
     """run.json, in the keys convert, eval and report read (data, normalization, results, artifacts)."""
-    described = dataset.describe()
+    described = prepared.dataset.describe()
+    ranges = keras3_qat.ranges(qat) if qat is not None else {}
     return {
         "kind": "edgeq.train",
         "complete": True,
@@ -183,15 +276,22 @@ def _record(config, hp: dict, dataset, stages, ranges: dict, paths: dict, second
             "batchnorm_during_qat": "frozen",
             "initial_activation_ranges": {"method": f"min/max of {CALIBRATION_BATCHES} training batches"},
             "final_ranges": ranges,
-            "float_layers": [],
+            "float_layers": sorted(prepared.float_layers),
         },
-        "schedule": [{"name": s.name, "kind": s.kind, "epochs": s.epochs} for s in stages],
+        "schedule": [s.to_dict() for s in prepared.stages],
         "data": described,
-        "normalization": dataset.normalization.to_dict(),
+        "normalization": prepared.dataset.normalization.to_dict(),
         "input_shape": described["input_shape"],
-        "num_classes": dataset.num_classes,
-        "outputs": [],
-        "results": [s.__dict__ for s in stages],
+        "num_classes": prepared.dataset.num_classes,
+        "outputs": [
+            {
+                **prepared.output.to_dict(),
+                "loss": "sparse_categorical_crossentropy",
+                "loss_weight": 1.0,
+                "loss_source": "task",
+            }
+        ],  # fmt: skip
+        "results": [r.__dict__ for r in results],
         "train_seconds": round(seconds, 3),
         "keras": {"given": KERAS3, **{name: KERAS3 for name in paths}},
         "artifacts": {name: sha256_file(path) for name, path in paths.items()},
@@ -199,41 +299,49 @@ def _record(config, hp: dict, dataset, stages, ranges: dict, paths: dict, second
     }
 
 
-def train_keras3(config, resume: bool = False, force: bool = False, progress: bool = False):
-    """FP32 epochs, then QAT epochs with keep-best on val, all in Keras 3; the run's files and run.json."""
+def train_keras3(config, resume: bool = False, force: bool = False, progress: bool = False, prepared=None):
+    """The schedule's FP32 stages, then its QAT stages with keep-best on val, all in Keras 3; the run's
+    files and run.json. ``prepared`` is what ``prepare`` returned, where the caller has checked already."""
     import keras
 
     from edgeq.train.config import StageResult, TrainResult, _hyperparameters
 
-    model, dataset, probabilities = _checked(config, resume, force)
+    prepared = prepared or prepare(config, resume, force)
+    model, dataset = prepared.model, prepared.dataset
     hp = _hyperparameters(config, None, None)
     keras.utils.set_random_seed(config.seed)
     started = time.perf_counter()
-    stages: list[StageResult] = []
+    results: list[StageResult] = []
     history: dict = {}
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if hp["epochs"]:
-        t0 = time.perf_counter()
-        _compile(model, hp["learning_rate"], probabilities, None, None)
-        history["fp32"] = _fit(model, dataset, hp, hp["epochs"], None)
-        stages.append(StageResult("fp32", "fp32", hp["epochs"], 32, 32, _accuracy(model, dataset, "val"),
-                                  _accuracy(model, dataset, "test"), round(time.perf_counter() - t0, 3)))  # fmt: skip
     paths = {FP32_NAME: out_dir / FP32_NAME}
-    model.save(paths[FP32_NAME])
-    ranges: dict = {}
-    if hp["qat_epochs"]:
+    qat = None
+    for stage in prepared.stages:
         t0 = time.perf_counter()
-        qat, history["qat"], keep = _qat(model, dataset, hp, probabilities, config)
-        stages.append(StageResult("qat", "qat", hp["qat_epochs"], 8, 8, _accuracy(qat, dataset, "val"),
-                                  _accuracy(qat, dataset, "test"), round(time.perf_counter() - t0, 3)))  # fmt: skip
+        if stage.kind == "fp32":
+            _compile(model, hp["learning_rate"], prepared.probabilities, None, None)
+            history[stage.name] = _fit(model, dataset, hp, stage.epochs, None)
+            judged, bits = model, 32
+        else:
+            if qat is None:
+                model.save(paths[FP32_NAME])  # the FP32 stages are done
+                qat = _qat_model(model, dataset, hp)
+            history[stage.name], keep = _qat_stage(qat, stage, prepared, hp, config)
+            history[f"{stage.name}_keep_best"] = {"best_epoch": keep.best_epoch, "epochs": keep.history}
+            judged, bits = qat, 8
+        results.append(StageResult(stage.name, stage.kind, stage.epochs, bits, bits, _accuracy(judged, dataset, "val"),
+                                   _accuracy(judged, dataset, "test"), round(time.perf_counter() - t0, 3)))  # fmt: skip
+    if qat is None:
+        model.save(paths[FP32_NAME])
+    else:
         paths[QAT3_NAME] = out_dir / QAT3_NAME
         qat.save(paths[QAT3_NAME])
-        ranges = keras3_qat.ranges(qat)
-        history["qat_keep_best"] = {"best_epoch": keep.best_epoch, "epochs": keep.history}
     history_path = out_dir / "history.json"
     history_path.write_text(json.dumps(history, indent=1, default=float))
     run_path = out_dir / "run.json"
-    write_json_atomic(run_path, _record(config, hp, dataset, stages, ranges, paths, time.perf_counter() - started))
-    return TrainResult(out_dir, paths[FP32_NAME], paths.get(QAT3_NAME), history_path, run_path, tuple(stages),
-                       ranges=ranges or None)  # fmt: skip
+    record = _record(config, hp, prepared, results, qat, paths, time.perf_counter() - started)
+    write_json_atomic(run_path, record)
+    return TrainResult(out_dir, paths[FP32_NAME], paths.get(QAT3_NAME), history_path, run_path, tuple(results),
+                       float_layers=tuple(sorted(prepared.float_layers)),
+                       ranges=record["quantization"]["final_ranges"] or None)  # fmt: skip

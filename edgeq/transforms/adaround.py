@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeq.models.compat import tf
+from edgeq.models.compat import keras, tf
 from edgeq.quantize.numerics import weight_codes
 
 ADAROUND_LAYERS = ("Conv2D", "DepthwiseConv2D", "Dense")
@@ -118,7 +118,7 @@ def adaround(
     v = tf.Variable(-np.log((_ZETA - _GAMMA) / (rest - _GAMMA) - 1.0).astype(np.float32))
     floor_t, scale_t, kernel_t = tf.constant(floor), tf.constant(scale), tf.constant(kernel)
     x_all = tf.constant(inputs, dtype=tf.float32)
-    optimizer = tf.keras.optimizers.Adam(learning_rate=1e-2)
+    optimizer = keras.optimizers.Adam(learning_rate=1e-2)
     warmup = int(0.2 * iterations)
 
     def soft_kernel():
