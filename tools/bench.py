@@ -23,6 +23,7 @@ MARK = "<!-- section: {} -->"
 SECTIONS = (
     "host",
     "keras",
+    "engines",
     "ptq",
     "mixed",
     "speed",

@@ -51,4 +51,4 @@ def _engine(config: TrainConfig, resume: bool, force: bool):
     try:
         return "keras3", prepare(config, resume, force), "a Keras 3 model: trained in Keras 3 itself"
     except NotOnKeras3 as why:
-        return "tfmot", None, f"TF-MOT, because {why.reason}"
+        return "tfmot", None, f"not the Keras 3 engine: {why.reason}"
