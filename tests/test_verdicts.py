@@ -189,6 +189,7 @@ def test_the_default_train_path_compares_ptq_and_qat_with_its_interval(cli, tmp_
     trained = cli("train", source, "--data", "digits", "--out", out, "--epochs", "1", "--qat-epochs", "1",
                   "--compare-int8")  # fmt: skip
     assert trained.exit_code == 0, trained.output
+    assert json.loads((out / "run.json").read_text())["quantization"]["engine"] == "keras3"  # a Keras 3 file's default
     record = json.loads((out / "run.json").read_text())["int8_comparison"]
     assert record["metric"] == "accuracy" and record["samples"] == 179 and len(record["interval95"]) == 2
     assert "int8 on val (accuracy, n=179)" in trained.output and "95% CI" in trained.output
@@ -260,6 +261,8 @@ def test_label_free_qat_of_a_logits_classifier_reads_its_compile_config(cli, tmp
     trained = cli("train", tmp_path / "logits.keras", "--data", f"npz:{tmp_path / 'x_only.npz'}", "--epochs", "0",
                   "--qat-epochs", "1", "--out", out, "--compare-int8")  # fmt: skip
     assert trained.exit_code == 0, trained.output
+    # no labels: the default engine falls back to TF-MOT (distillation is not on the Keras 3 engine) and says why
+    assert "QAT engine: tfmot (not the Keras 3 engine: " in trained.output and "no class labels" in trained.output
     run = json.loads((out / "run.json").read_text())
     (spec,) = run["outputs"]
     assert (spec["task"], spec["task_source"]) == ("classification", "compiled")

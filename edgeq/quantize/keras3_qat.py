@@ -233,11 +233,15 @@ class _Graph:
     def __init__(self, model):
         self.consumers: dict[str, list] = {op.name: [] for op in model.operations}
         self.outputs = {t._keras_history[0].name for t in model.outputs}
-        self.shared = [layer for layer in model.operations if len(layer._inbound_nodes) > 1]
-        for layer in model.operations:
-            for node in layer._inbound_nodes:
+        # the nodes of this graph only: a layer of a Sequential model, or one a model was rebuilt around, also
+        # keeps the nodes of the graphs it was called in before
+        self.nodes: dict[str, list] = {op.name: [] for op in model.operations}
+        for nodes in model._nodes_by_depth.values():
+            for node in nodes:
+                self.nodes[node.operation.name].append(node)
                 for parent in node.parent_nodes:
-                    self.consumers[parent.operation.name].append(layer)
+                    self.consumers[parent.operation.name].append(node.operation)
+        self.shared = [op for op in model.operations if len(self.nodes[op.name]) > 1]
 
     def only_consumer(self, layer):
         users = self.consumers.get(layer.name, [])
@@ -272,9 +276,10 @@ def _plan(model) -> tuple[dict, set]:
 
 
 def _unsupported(model, absorbed) -> str | None:
-    shared = _Graph(model).shared
-    if shared:
-        times = len(shared[0]._inbound_nodes)
+    graph = _Graph(model)
+    if graph.shared:
+        shared = graph.shared
+        times = len(graph.nodes[shared[0].name])
         return f"layer {shared[0].name!r} is called {times} times (it quantizes layers used once)"
     for layer in model.layers:
         kind = type(layer).__name__
@@ -374,6 +379,7 @@ def quantize_model(model, num_bits: int = 8):
     model = _functional(model)
     fused, absorbed = _plan(model)
     inputs, mapped = _quantized_inputs(model, num_bits)
+    graph = _Graph(model)
 
     def new(value):
         return mapped[id(value)] if isinstance(value, keras.KerasTensor) else value
@@ -381,7 +387,7 @@ def quantize_model(model, num_bits: int = 8):
     for layer in model.operations:  # in the graph's order; ops on tensors (x + 3.0, x * y) are operations too
         if type(layer).__name__ == "InputLayer":
             continue
-        node = layer._inbound_nodes[0]
+        node = graph.nodes[layer.name][0]
         args = tree.map_structure(new, node.arguments.args)
         kwargs = tree.map_structure(new, node.arguments.kwargs)
         copy = _clone(layer, fused, absorbed) if isinstance(layer, keras.layers.Layer) else layer
