@@ -43,6 +43,8 @@ def keras3_digits_cnn(path):
     return path
 
 
+@pytest.mark.slow  # the default suite: the Keras 3 engine on Keras 3 files (test_keras3_qat), the translation
+# through TF-MOT on the zoo's digits-cnn built in Keras 3 (test_zoo_model_built_with_keras3_...[digits-cnn])
 def test_keras3_digits_train_qat_int8_only_within_noise_of_fp32(cli, tmp_path):
     model = keras3_digits_cnn(tmp_path / "k3_digits.keras")
     out = tmp_path / "run"
