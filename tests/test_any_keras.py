@@ -206,6 +206,16 @@ def test_model_qat_cannot_take_fails_before_training(cli, tmp_path, kind):
     assert not out.exists() or not any(out.iterdir())  # failed before the first epoch: nothing written
 
 
+def _one_qat_epoch(path, data: str, out, engine: str):
+    """One QAT epoch (no FP32 epochs, batch 16) of the file by ``engine``: the run."""
+    from edgeq.train.config import TrainConfig
+    from edgeq.train.fit import train
+
+    config = TrainConfig(model=str(path), data=data, out_dir=str(out), epochs=0, qat_epochs=1, batch_size=16,
+                         qat_engine=engine)  # fmt: skip
+    return train(config)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["keras3", "tfmot"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -214,23 +224,11 @@ def test_keras3_architecture_qat_int8_only_passes_verification(tmp_path, arch, e
     verified."""
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
-    from edgeq.train.config import TrainConfig
-    from edgeq.train.fit import train
 
     path = tmp_path / f"{arch}.keras"
     getattr(keras.applications, arch)(weights=None, input_shape=(32, 32, 3), classes=10).save(path)
     data = "synthetic:32x32x3:10:96"
-    run = train(
-        TrainConfig(
-            model=str(path),
-            data=data,
-            out_dir=str(tmp_path / "run"),
-            epochs=0,
-            qat_epochs=1,
-            batch_size=16,
-            qat_engine=engine,
-        )
-    )
+    run = _one_qat_epoch(path, data, tmp_path / "run", engine)
     result = convert(run.qat_model, tmp_path / f"{arch}_int8.tflite", ConvertOptions(mode="int8-only", calib=data))
     assert result.verification.integer_only and result.verification.passed, result.verification
 
@@ -251,8 +249,6 @@ def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, ar
     from edgeq.convert.run import convert
     from edgeq.models import zoo
     from edgeq.models.translate import to_tf_keras
-    from edgeq.train.config import TrainConfig
-    from edgeq.train.fit import train
     from tests.test_keras3 import assert_same_model, randomize_statistics
 
     classes = 12 if arch == "ds-cnn" else 10
@@ -264,17 +260,7 @@ def test_zoo_model_built_with_keras3_translates_trains_and_converts(tmp_path, ar
     path = tmp_path / f"{arch}.keras"
     model.save(path)
     assert keras_flavour_of_file(path) == KERAS3
-    run = train(
-        TrainConfig(
-            model=str(path),
-            data=data,
-            out_dir=str(tmp_path / "run"),
-            epochs=0,
-            qat_epochs=1,
-            batch_size=16,
-            qat_engine="tfmot",  # the translation to tf_keras is what this tests
-        )
-    )
+    run = _one_qat_epoch(path, data, tmp_path / "run", "tfmot")  # the translation to tf_keras is what this tests
     result = convert(run.qat_model, tmp_path / f"{arch}_int8.tflite", ConvertOptions(mode="int8-only", calib=data))
     assert result.verification.integer_only and result.verification.passed, result.verification
 
@@ -289,8 +275,6 @@ def test_input_preprocessing_ranges_come_from_the_data_so_qat_does_not_collapse(
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
     from edgeq.models.load import load_keras_model
-    from edgeq.train.config import TrainConfig
-    from edgeq.train.fit import train
     from edgeq.train.observe import suffix
 
     L = keras.layers
@@ -306,17 +290,7 @@ def test_input_preprocessing_ranges_come_from_the_data_so_qat_does_not_collapse(
     keras.Model(inputs, L.Dense(10, activation="softmax")(x)).save(path)
 
     data = "synthetic:16x16x3:10:96"
-    run = train(
-        TrainConfig(
-            model=str(path),
-            data=data,
-            out_dir=str(tmp_path / "run"),
-            epochs=0,
-            qat_epochs=1,
-            batch_size=16,
-            qat_engine="tfmot",
-        )  # TF-MOT's [-6, 6] start is what this guards against
-    )
+    run = _one_qat_epoch(path, data, tmp_path / "run", "tfmot")  # TF-MOT's [-6, 6] start is what this guards against
     record = json.loads(run.run.read_text())
     assert record["quantization"]["initial_activation_ranges"] == {"method": "tfmot", "set_per_stage": {"qat-w8a8": 2}}
     qat = load_keras_model(run.qat_model)

@@ -32,26 +32,11 @@ RESAMPLES = 2000
 
 
 def _fp32_keras3(name: str, data: str, folder: Path) -> Path:
-    """The architecture built and trained in Keras 3 itself (logits), BN statistics from real inputs."""
+    """The architecture built and trained in Keras 3 itself, as bench_mixed trains it in tf_keras."""
     import keras
-    from bench_ptq import OPTIONS, TRAINED_EPOCHS, _set_bn_statistics
+    from bench_mixed import _fp32
 
-    from edgeq.data.sources import load_dataset
-
-    path = folder / f"{name}_keras3.keras"
-    if path.exists():  # EDGEQ_BENCH_CACHE kept it from an earlier run
-        return path
-    d = load_dataset(data)
-    keras.utils.set_random_seed(0)
-    model = getattr(keras.applications, name)(
-        weights=None, input_shape=d.x_train.shape[1:], classes=10, classifier_activation=None, **OPTIONS.get(name, {})
-    )
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=["accuracy"])
-    model.fit(d.x_train, d.y_train, epochs=TRAINED_EPOCHS, batch_size=64, verbose=0)
-    _set_bn_statistics(model, d.x_train[:512])
-    model.save(path)
-    return path
+    return _fp32(name, data, folder, keras=keras, suffix="_keras3")
 
 
 def _correct(path: Path, x, y):

@@ -31,13 +31,16 @@ RESAMPLES = 1000
 STEPS = ("ptq", "mixed", "qat", "qat_distill", "w4_nearest", "w4_adaround")
 
 
-def _fp32(name: str, data: str, folder: Path) -> Path:
+def _fp32(name: str, data: str, folder: Path, keras=None, suffix: str = "") -> Path:
+    """The architecture trained from scratch (logits), BN statistics from real inputs; in tf_keras, or in the
+    Keras module given (bench_engines builds it in Keras 3)."""
     from bench_ptq import OPTIONS, TRAINED_EPOCHS, _set_bn_statistics
 
     from edgeq.data.sources import load_dataset
-    from edgeq.models.compat import keras
 
-    path = folder / f"{name}.keras"
+    if keras is None:
+        from edgeq.models.compat import keras
+    path = folder / f"{name}{suffix}.keras"
     if path.exists():  # EDGEQ_BENCH_CACHE kept it from an earlier run
         return path
     d = load_dataset(data)

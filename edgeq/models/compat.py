@@ -107,11 +107,6 @@ keras = _OnFirstUse("keras")
 tfmot = _OnFirstUse("tfmot")
 
 
-def legacy_loaded() -> bool:
-    """Whether this process has imported tf_keras and TF-MOT through here."""
-    return bool(_LEGACY)
-
-
 def start_runtime() -> None:
     """Run the first op, which starts TensorFlow's runtime (and prints oneDNN's notice), quietly.
 
@@ -129,4 +124,4 @@ if os.environ.get("EDGEQ_QUIET_TF"):
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     tf.get_logger().setLevel(logging.ERROR)
 
-__all__ = ["tf", "keras", "tfmot", "start_runtime", "legacy_loaded"]
+__all__ = ["tf", "keras", "tfmot", "start_runtime"]

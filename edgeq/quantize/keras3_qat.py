@@ -249,7 +249,8 @@ class _Graph:
 
 
 def _plan(model) -> tuple[dict, set]:
-    """{conv/dense name: (bn layer or None, activation, last layer of the chain)} and the layers folded away."""
+    """{conv/dense name: (bn layer or None, fused activation, its own unfused activation or None)} and the
+    layers folded away."""
     graph = _Graph(model)
     fused, absorbed = {}, set()
     for layer in model.layers:
@@ -258,20 +259,20 @@ def _plan(model) -> tuple[dict, set]:
             continue
         own = _activation_name(layer)
         if own not in _FUSED_ACTIVATIONS:
-            fused[layer.name] = (None, "linear", layer, own)
+            fused[layer.name] = (None, "linear", own)
             continue
-        bn, activation, last = None, own, layer
+        bn, activation = None, own
         nxt = graph.only_consumer(layer)
         if own == "linear" and nxt is not None and type(nxt).__name__ == "BatchNormalization" and kind != "Dense":
             axis = nxt.axis if isinstance(nxt.axis, int) else nxt.axis[0]
             if axis in (-1, len(layer.output.shape) - 1) and nxt.center and nxt.scale:
-                bn, last = nxt, nxt
+                bn = nxt
                 absorbed.add(nxt.name)
                 nxt = graph.only_consumer(nxt)
         if activation == "linear" and nxt is not None and _activation_of(nxt):
-            activation, last = _activation_of(nxt), nxt
+            activation = _activation_of(nxt)
             absorbed.add(nxt.name)
-        fused[layer.name] = (bn, activation, last, None)
+        fused[layer.name] = (bn, activation, None)
     return fused, absorbed
 
 
@@ -326,7 +327,7 @@ def _clone(layer, fused: dict, absorbed: set):
     """The layer of the QAT model that stands for ``layer``."""
     kind = type(layer).__name__
     if layer.name in fused:
-        bn, activation, _, _ = fused[layer.name]
+        bn, activation, _ = fused[layer.name]
         op = keras.layers.serialize(layer)
         if bn is not None or activation != "linear":
             op["config"] = {**op["config"], "activation": "linear"}
@@ -346,7 +347,7 @@ def _quantized_output(original, out, fused: dict, absorbed: set, num_bits: int):
     if not isinstance(original, keras.layers.Layer):
         return out if kind in _SAME_SCALE_OPS else ActivationQuantizer(num_bits, name=f"{name}_quant")(out)
     if name in fused:
-        own = fused[name][3]
+        own = fused[name][2]
         if own is not None and own not in _FIXED_OUTPUT:  # a conv with its own swish etc.: after it
             return ActivationQuantizer(num_bits, name=f"{name}_act_quant")(out)
         return out

@@ -143,14 +143,14 @@ def prepare(config, resume: bool = False, force: bool = False):
     from edgeq.data.sources import load_dataset
     from edgeq.models.keras3 import keras_flavour_of_file
     from edgeq.models.load import is_model_path
+    from edgeq.train.config import _hyperparameters
 
     _refuse_unsupported(config, resume)
     if not is_model_path(config.model) or not Path(config.model).exists():
         raise NotOnKeras3(f"{config.model} is a reference model, built in tf_keras (it trains Keras 3 files)")
     if keras_flavour_of_file(config.model) != KERAS3:
         raise NotOnKeras3(f"{config.model} is not a Keras 3 file (it trains Keras 3 models; TF-MOT trains tf_keras)")
-    _check_backend()
-    model = load_user_model(config.model)
+    model = load_user_model(config.model)  # on the TensorFlow backend (models.load refuses another)
     if keras3_qat.is_keras3_qat(model):
         raise UsageError(f"{config.model} is already quantization-aware; give edgeq train the FP32 model")
     if len(model.inputs) != 1:
@@ -165,11 +165,12 @@ def prepare(config, resume: bool = False, force: bool = False):
     output, probabilities = _classifier(model, dataset, config)
     dataset.check_fits(shape, where=f"model {config.model}")
     dataset.check_finite()
-    stages, float_layers = _stages_and_plan(config, model)
+    hp = _hyperparameters(config, None, None)
+    stages, float_layers = _stages_and_plan(config, model, hp)
     out_dir = Path(config.out_dir)
     if (out_dir / "run.json").is_file() and not force:
         raise UsageError(f"{out_dir} already holds a finished run: choose another --out, or overwrite with --force")
-    return Prepared(model, dataset, output, probabilities, stages, float_layers)
+    return Prepared(model, dataset, output, probabilities, hp, stages, float_layers)
 
 
 class Prepared(NamedTuple):
@@ -177,17 +178,16 @@ class Prepared(NamedTuple):
     dataset: object
     output: object  # its OutputSpec (a classification)
     probabilities: bool  # the output is softmax probabilities (else logits)
+    hp: dict  # the effective hyper-parameters (train.config._hyperparameters)
     stages: list  # edgeq.train.schedule.Stage, FP32 first
     float_layers: frozenset  # Conv2D/DepthwiseConv2D/Dense layers a layer-wise plan keeps float (no fake quantization)
 
 
-def _stages_and_plan(config, model) -> tuple[list, frozenset]:
+def _stages_and_plan(config, model, hp: dict) -> tuple[list, frozenset]:
     """The schedule's stages and the layers --layer-config keeps float; what the engine lacks is NotOnKeras3."""
     from edgeq.quantize.plan_file import LayerConfig, LayerPrecision
-    from edgeq.train.config import _hyperparameters
     from edgeq.train.schedule import make_schedule
 
-    hp = _hyperparameters(config, None, None)
     stages = make_schedule(config.schedule, hp["epochs"], hp["qat_epochs"], 8, 8)
     if not stages:
         raise UsageError("nothing to train: --epochs and --qat-epochs are both 0")
@@ -216,18 +216,6 @@ def _stages_and_plan(config, model) -> tuple[list, frozenset]:
                               "it keeps Conv2D, DepthwiseConv2D and Dense layers float)")  # fmt: skip
         float_layers.add(name)
     return stages, frozenset(float_layers)
-
-
-def _check_backend() -> None:
-    """edgeq trains and converts on Keras's TensorFlow backend (the converter reads TF graphs)."""
-    import keras
-
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise UsageError(
-            f"Keras runs on the {backend} backend here (KERAS_BACKEND={backend}); edgeq trains and converts on the "
-            "TensorFlow backend: run it with KERAS_BACKEND=tensorflow (a .keras file saved on any backend loads there)"
-        )
 
 
 def _qat_model(model, dataset, hp: dict):
@@ -304,11 +292,10 @@ def train_keras3(config, resume: bool = False, force: bool = False, progress: bo
     files and run.json. ``prepared`` is what ``prepare`` returned, where the caller has checked already."""
     import keras
 
-    from edgeq.train.config import StageResult, TrainResult, _hyperparameters
+    from edgeq.train.config import StageResult, TrainResult
 
     prepared = prepared or prepare(config, resume, force)
-    model, dataset = prepared.model, prepared.dataset
-    hp = _hyperparameters(config, None, None)
+    model, dataset, hp = prepared.model, prepared.dataset, prepared.hp
     keras.utils.set_random_seed(config.seed)
     started = time.perf_counter()
     results: list[StageResult] = []
