@@ -195,8 +195,9 @@ def _graph_passes(model, s, where: str) -> list[tuple[str, int, str]]:
                      "each: XNNPACK takes int8 RELUs only fused"))  # fmt: skip
     rewritten = fp.prelu(model, s)
     if rewritten:
-        done.append(("prelu", rewritten, f"{rewritten} PRELU op(s) written as a * x + (1 - a) * relu(x) in MUL, ADD "
-                     "and SUB ops: int8 kernels in LiteRT Quantizer and XNNPACK, where PRELU has none"))  # fmt: skip
+        done.append(("prelu", rewritten, f"{rewritten} PRELU op(s) written as x + (1 - a) * relu(-x) in 1x1 "
+                     "DEPTHWISE_CONV_2D and ADD/SUB ops: int8 kernels in LiteRT Quantizer and XNNPACK, where PRELU "
+                     "has none"))  # fmt: skip
     negated = fp.negations(model, s)
     if negated:
         done.append(("negations", negated, f"{negated} NEG op(s) written as MUL by -1: LiteRT has no int8 NEG"))
