@@ -23,8 +23,9 @@ partition (``edgeq.runtime.delegation``):
   converter writes one, which XNNPACK leaves to the reference kernel), nor (LiteRT Quantizer) a
   LEAKY_RELU, so a one-number alpha takes the same form. Of the forms timed on MediaPipe's face
   landmarks at int8 (1 thread, XNNPACK, AVX-512 VNNI host, 2026-12-07), this is the fastest: 1.19 ms
-  (the float file 1.18); a * x + c * relu(x) as MUL, MUL + RELU, ADD took 1.55 ms, and a broadcast MUL
-  in place of the depthwise 4% more; MAXIMUM(x, a * x) leaves XNNPACK at int8 (a partition each).
+  (the float file 1.18); a * x + c * relu(x) as MUL, MUL + RELU, ADD took 1.55 ms; a broadcast MUL in
+  place of the depthwise took 1.34 ms against its 1.29 (a probe that rewrote only the one-sign PRELUs);
+  MAXIMUM(x, a * x) leaves XNNPACK at int8 (a partition each).
 """
 
 from __future__ import annotations
