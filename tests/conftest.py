@@ -5,7 +5,10 @@ Everything is real: TensorFlow, TF-MOT, the TFLite converter and the LiteRT inte
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -54,23 +57,52 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """``build(folder)``'s result, built by one test process of the session and read back by the others.
+
+    Under pytest-xdist each worker has its own session fixtures: a model that several files train was
+    trained once per worker, each time the same. Here the first worker to ask builds it in a folder of the
+    run's shared temp root, under an exclusive lock that the others block on (no polling, no timeout), and
+    leaves the result pickled; the rest load it. The result must be picklable (paths, numbers), and tests
+    write nothing into its folder (they copy it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, record = root / f"built-{name}", root / f"built-{name}.pickle"
+    with open(root / f"built-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until this process is done building or reading
+        if record.is_file():
+            return pickle.loads(record.read_bytes())
+        shutil.rmtree(folder, ignore_errors=True)  # a build that failed in another worker: start clean
+        folder.mkdir()
+        value = build(folder)
+        partial = record.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(value))
+        partial.rename(record)
+        return value
+
+
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
-    """digits-cnn trained as the recipe says: FP32 then 8-bit QAT."""
+    """digits-cnn trained as the recipe says: FP32 then 8-bit QAT (once for all workers: built_once)."""
     from edgeq.train.config import TrainConfig
     from edgeq.train.fit import train
 
-    out = tmp_path_factory.mktemp("digits") / "run"
-    return train(TrainConfig(model="digits-cnn", out_dir=str(out), data="digits"))
+    def build(folder):
+        return train(TrainConfig(model="digits-cnn", out_dir=str(folder / "run"), data="digits"))
+
+    return built_once(tmp_path_factory, "digits", build)
 
 
 @pytest.fixture(scope="session")
-def digits_int8(digits_run):
+def digits_int8(tmp_path_factory, digits_run):
     """The QAT model converted with --int8-only."""
     from edgeq.convert.options import ConvertOptions
     from edgeq.convert.run import convert
 
-    return convert(digits_run.qat_model, digits_run.out_dir / "digits_int8.tflite", ConvertOptions(mode="int8-only"))
+    def build(folder):
+        return convert(digits_run.qat_model, folder / "digits_int8.tflite", ConvertOptions(mode="int8-only"))
+
+    return built_once(tmp_path_factory, "digits_int8", build)
 
 
 @pytest.fixture(scope="session")
@@ -81,19 +113,21 @@ def detector(tmp_path_factory):
 
     from edgeq.cli import cli
 
-    folder = tmp_path_factory.mktemp("detector")
     runner = CliRunner()
+    data = "shapes:64:300"
 
     def run(*args):
         result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
         assert result.exit_code == 0, result.output
         return result
 
-    data = "shapes:64:300"
-    run("train", "shapes-detector", "--data", data, "--epochs", "2", "--qat-epochs", "1", "--out", folder / "run")
-    run("convert", folder / "run" / "qat.h5", "--int8-only", "--out", folder / "det_int8.tflite")
-    run("data", "export", data, "--split", "test", "--out", folder / "test.npz")
-    return folder, data
+    def build(folder):
+        run("train", "shapes-detector", "--data", data, "--epochs", "2", "--qat-epochs", "1", "--out", folder / "run")
+        run("convert", folder / "run" / "qat.h5", "--int8-only", "--out", folder / "det_int8.tflite")
+        run("data", "export", data, "--split", "test", "--out", folder / "test.npz")
+        return folder, data
+
+    return built_once(tmp_path_factory, "detector", build)
 
 
 @pytest.fixture
@@ -172,23 +206,26 @@ def outlier16(tmp_path_factory):
     from edgeq.models.compat import keras
     from edgeq.train.stages import _compile
 
-    keras.utils.set_random_seed(0)
-    d = load_dataset("digits")
-    trained = _outlier_cnn(16)
-    _compile(trained, 3e-3)
-    trained.fit(d.x_train, d.y_train, epochs=12, batch_size=32, verbose=0)
-    model = _outlier_cnn(17)
-    for layer in trained.layers:
-        if layer.name not in ("conv1", "conv2"):
-            model.get_layer(layer.name).set_weights(layer.get_weights())
-    w1, b1 = trained.get_layer("conv1").get_weights()
-    model.get_layer("conv1").set_weights(
-        [np.concatenate([w1, FACTOR * w1[..., :1]], -1), np.concatenate([b1, FACTOR * b1[:1]])]
-    )
-    w2, b2 = trained.get_layer("conv2").get_weights()
-    model.get_layer("conv2").set_weights([np.concatenate([w2, np.zeros_like(w2[:, :, :1])], 2), b2])
-    same = np.abs(model.predict(d.x_test, verbose=0) - trained.predict(d.x_test, verbose=0)).max()
-    assert same < 1e-4, same
-    path = tmp_path_factory.mktemp("outlier16") / "outlier16.keras"
-    model.save(path)
-    return path
+    def build(folder):
+        keras.utils.set_random_seed(0)
+        d = load_dataset("digits")
+        trained = _outlier_cnn(16)
+        _compile(trained, 3e-3)
+        trained.fit(d.x_train, d.y_train, epochs=12, batch_size=32, verbose=0)
+        model = _outlier_cnn(17)
+        for layer in trained.layers:
+            if layer.name not in ("conv1", "conv2"):
+                model.get_layer(layer.name).set_weights(layer.get_weights())
+        w1, b1 = trained.get_layer("conv1").get_weights()
+        model.get_layer("conv1").set_weights(
+            [np.concatenate([w1, FACTOR * w1[..., :1]], -1), np.concatenate([b1, FACTOR * b1[:1]])]
+        )
+        w2, b2 = trained.get_layer("conv2").get_weights()
+        model.get_layer("conv2").set_weights([np.concatenate([w2, np.zeros_like(w2[:, :, :1])], 2), b2])
+        same = np.abs(model.predict(d.x_test, verbose=0) - trained.predict(d.x_test, verbose=0)).max()
+        assert same < 1e-4, same
+        path = folder / "outlier16.keras"
+        model.save(path)
+        return path
+
+    return built_once(tmp_path_factory, "outlier16", build)

@@ -24,6 +24,7 @@ from edgeq.artifacts import provenance, sha256_file, write_json_atomic
 from edgeq.errors import UsageError
 from edgeq.models.load import FP32_NAME, load_user_model
 from edgeq.models.spec import KERAS3
+from edgeq.train.outdir import refuse_overwrite
 
 ENGINE = "keras3"
 QAT3_NAME = "qat.keras"
@@ -167,9 +168,8 @@ def prepare(config, resume: bool = False, force: bool = False):
     dataset.check_finite()
     hp = _hyperparameters(config, None, None)
     stages, float_layers = _stages_and_plan(config, model, hp)
-    out_dir = Path(config.out_dir)
-    if (out_dir / "run.json").is_file() and not force:
-        raise UsageError(f"{out_dir} already holds a finished run: choose another --out, or overwrite with --force")
+    if not force and (Path(config.out_dir) / "run.json").is_file():
+        refuse_overwrite(config.out_dir, False, force)
     return Prepared(model, dataset, output, probabilities, hp, stages, float_layers)
 
 

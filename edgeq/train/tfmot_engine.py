@@ -37,6 +37,7 @@ from edgeq.train.config import (
 )
 from edgeq.train.finetune import frozen_for_qat
 from edgeq.train.objectives import target_plan
+from edgeq.train.outdir import refuse_overwrite, state_file
 from edgeq.train.stages import (
     _compile,
     _first_qat,
@@ -83,18 +84,13 @@ def train_tfmot(config: TrainConfig, resume: bool = False, force: bool = False, 
 def _resumed_state(config: TrainConfig, dist, resume: bool, force: bool) -> tuple[TrainConfig, dict | None]:
     """The config to train with and the checkpoint state (None: a fresh run); refuses to overwrite."""
     out_dir = Path(config.out_dir)
-    state_file = out_dir / "checkpoint" / "state.json"
+    if resume or dist.chief:
+        refuse_overwrite(out_dir, resume, force)
     if resume:
-        if not state_file.is_file():
-            raise UsageError(f"{out_dir}: nothing to resume (no checkpoint/state.json); run without --resume")
-        state = json.loads(state_file.read_text())
+        state = json.loads(state_file(out_dir).read_text())
         cluster = {k: getattr(config, k) for k in ("strategy", "replicas", "workers", "worker_index")}
         log.info("resuming %s at stage %d after %d epochs", out_dir, state["stage"], state["epochs_done"])
         return replace(TrainConfig(**state["config"]), **cluster), state
-    if dist.chief and state_file.is_file() and not force:
-        raise UsageError(f"{out_dir} holds an unfinished run: continue it with --resume, or start over with --force")
-    if dist.chief and (out_dir / "run.json").is_file() and not force:
-        raise UsageError(f"{out_dir} already holds a finished run: choose another --out, or overwrite with --force")
     return config, None
 
 
