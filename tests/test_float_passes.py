@@ -1,7 +1,8 @@
 """The graph passes a downloaded float .tflite goes through before it is quantized (quantize.float_passes).
 
 Each test builds a tiny .tflite with what MediaPipe's files have (a standalone RELU, a PRELU with one
-alpha or one per channel, a filter read through DENSIFY, the custom transposed convolution), checks
+alpha or one per channel, a filter read through DENSIFY, the custom transposed convolution, an average
+pool over the whole map), checks
 that the pass leaves the float outputs equal, that `edgeq convert --int8-only` then gives an
 integer-only file in one XNNPACK partition, and that without the pass the same file does not.
 """
@@ -184,12 +185,22 @@ def _transpose_model(keras, x):
     return x
 
 
+def _squeeze_excite_model(keras, x):
+    """A squeeze-and-excite block whose squeeze is an average pool over the whole map, as MediaPipe's
+    selfie segmentation writes it (AVERAGE_POOL_2D, not MEAN)."""
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(x)
+    squeezed = keras.layers.AveragePooling2D(SHAPE[:2])(x)
+    x = keras.layers.Multiply()([x, keras.layers.Conv2D(8, 1, activation="sigmoid")(squeezed)])
+    return keras.layers.Conv2D(4, 1)(x)
+
+
 CASES = {
     "relu": (lambda: _unfused_relus(_tflite(_relu_model)), "fused_activations"),
     "prelu_channels": (lambda: _tflite(_prelu_model([1, 2])), "prelu"),
     "prelu_one": (lambda: _tflite(_prelu_model([1, 2, 3])), "prelu"),
     "densify": (lambda: _densified_filter(_tflite(_relu_model)), "folded_constants"),
     "custom_transpose_conv": (lambda: _custom_transpose_conv(_tflite(_transpose_model)), "custom_ops"),
+    "global_average_pool": (lambda: _tflite(_squeeze_excite_model), "global_pools"),
 }
 
 

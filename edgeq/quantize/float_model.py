@@ -198,6 +198,10 @@ def _graph_passes(model, s, where: str) -> list[tuple[str, int, str]]:
         done.append(("prelu", rewritten, f"{rewritten} PRELU op(s) written as x + (1 - a) * relu(-x) in 1x1 "
                      "DEPTHWISE_CONV_2D and ADD/SUB ops: int8 kernels in LiteRT Quantizer and XNNPACK, where PRELU "
                      "has none"))  # fmt: skip
+    pooled = fp.global_pools(model, s)
+    if pooled:
+        done.append(("global_pools", pooled, f"{pooled} AVERAGE_POOL_2D op(s) over the whole input written as MEAN "
+                     "over height and width: XNNPACK has no int8 AVERAGE_POOL_2D"))  # fmt: skip
     negated = fp.negations(model, s)
     if negated:
         done.append(("negations", negated, f"{negated} NEG op(s) written as MUL by -1: LiteRT has no int8 NEG"))
