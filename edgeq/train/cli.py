@@ -138,10 +138,10 @@ def train(model, out_dir, resume, force, model_options, activation_bits, compare
     if options["strategy"] != "default":
         # the strategy sets up devices / collectives before TensorFlow's runtime starts
         os.environ["EDGEQ_DEFER_RUNTIME"] = "1"
-    else:  # this process is the run's chief: refuse an --out it would overwrite before TensorFlow loads
-        from edgeq.train.outdir import refuse_overwrite
+    elif not resume:  # the run's chief: refuse an --out it would overwrite before TensorFlow loads
+        from edgeq.train.outdir import refuse_overwrite  # (--resume: the engine says whether it resumes)
 
-        refuse_overwrite(out_dir, resume, force)
+        refuse_overwrite(out_dir, False, force)
     from edgeq.train.config import TrainConfig
     from edgeq.train.fit import train as run_training
 
