@@ -266,11 +266,17 @@ def fused_activations(model, s) -> int:
 
 
 def _float_constant(model, s, graph, name: bytes, values: np.ndarray) -> int:
+    return _constant(model, s, graph, name, values, s.TensorType.FLOAT32, "<f4")
+
+
+def _constant(model, s, graph, name: bytes, values: np.ndarray, kind: int, dtype: str) -> int:
+    """A constant tensor of ``values`` (``kind``: the schema's TensorType, ``dtype`` its little-endian numpy
+    type) with its own buffer; its index."""
     tensor = s.TensorT()
-    tensor.name, tensor.type = name, s.TensorType.FLOAT32
-    tensor.shape = np.asarray(values.shape, np.int32)
+    tensor.name, tensor.type = name, kind
+    tensor.shape = np.asarray(np.shape(values), np.int32)
     buffer = s.BufferT()
-    buffer.data = np.frombuffer(np.ascontiguousarray(values, "<f4").tobytes(), np.uint8)
+    buffer.data = np.frombuffer(np.ascontiguousarray(values, dtype).tobytes(), np.uint8)
     model.buffers.append(buffer)
     tensor.buffer = len(model.buffers) - 1
     graph.tensors.append(tensor)
@@ -392,18 +398,6 @@ def squares(model, s) -> int:
     return _as_mul(model, s, "SQUARE", lambda graph, x, y: x)
 
 
-def _int32_constant(model, s, graph, name: bytes, values: np.ndarray) -> int:
-    tensor = s.TensorT()
-    tensor.name, tensor.type = name, s.TensorType.INT32
-    tensor.shape = np.asarray(np.shape(values), np.int32)
-    buffer = s.BufferT()
-    buffer.data = np.frombuffer(np.ascontiguousarray(values, "<i4").tobytes(), np.uint8)
-    model.buffers.append(buffer)
-    tensor.buffer = len(model.buffers) - 1
-    graph.tensors.append(tensor)
-    return len(graph.tensors) - 1
-
-
 def global_pools(model, s) -> int:
     """Each float AVERAGE_POOL_2D that averages its whole input (the window is the input's height and width,
     one output pixel, no fused activation: the squeeze of a squeeze-and-excite block) as MEAN over axes 1
@@ -428,7 +422,7 @@ def global_pools(model, s) -> int:
         )
         if not whole:
             continue
-        axes = _int32_constant(model, s, graph, (y.name or b"pool") + b"/axes", np.asarray([1, 2], np.int32))
+        axes = _constant(model, s, graph, (y.name or b"pool") + b"/axes", np.asarray([1, 2]), s.TensorType.INT32, "<i4")
         mean = s.OperatorT()
         mean.opcodeIndex = _opcode(model, s, s.BuiltinOperator.MEAN, 1)
         mean.inputs, mean.outputs = np.asarray([int(op.inputs[0]), axes], np.int32), np.asarray(op.outputs, np.int32)

@@ -168,7 +168,7 @@ def prepare(config, resume: bool = False, force: bool = False):
     dataset.check_finite()
     hp = _hyperparameters(config, None, None)
     stages, float_layers = _stages_and_plan(config, model, hp)
-    if not force and (Path(config.out_dir) / "run.json").is_file():
+    if (Path(config.out_dir) / "run.json").is_file():  # no checkpoints here: only a finished run to keep
         refuse_overwrite(config.out_dir, False, force)
     return Prepared(model, dataset, output, probabilities, hp, stages, float_layers)
 
