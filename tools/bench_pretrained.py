@@ -289,7 +289,7 @@ def _every_model(folder: Path) -> list[str]:
         "Every float model of the mediapipe wheel and basic-pitch's `nmp.tflite`: `edgeq convert X.tflite "
         "--int8-only --calib npz:... --input-range ...` (its refusal, then `--int8`, where one came), `edgeq eval` "
         "against the float file, `edgeq profile` of both. Partitions: XNNPACK's, as profile reports them. Speed-up: "
-        "float ms / int8 ms, same run; each the best median of 3 profile processes taken in turn. "
+        f"float ms / int8 ms, same run; each the best median of {ROUNDS} profile processes taken in turn. "
         "\u2020: LiteRT cannot load the shipped file (a MediaPipe custom op), so the "
         "float file as convert prepared it (equal outputs) is timed.",
         "",
